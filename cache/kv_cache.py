@@ -1,0 +1,212 @@
+"""One model's KV cache: block pool, physical storage and prefix tree, kept consistent.
+
+This is the interface the scheduler uses. Sequences own a ``BlockTable``; the cache hands out
+blocks, shares them (prefix hits, forks), copies a shared block before it is written
+(copy-on-write), swaps tables to the host tier and back, and compacts the pool.
+
+Invariants: a block is written only while its refcount is 1 and it is not cached (shared blocks are
+immutable); every allocation either succeeds whole or raises ``OutOfBlocksError`` and changes
+nothing; ``check_integrity`` holds between any two calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cache.block_pool import BlockPool, OutOfBlocksError
+from cache.kv_storage import KVLayout, KVStorage
+from cache.metrics import CacheMetrics
+from cache.radix_tree import RadixTree
+
+
+@dataclass(slots=True)
+class BlockTable:
+    """A sequence's blocks in order; ``num_tokens`` slots of them hold KV."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def remap(self, mapping: dict[int, int]) -> None:
+        """Apply a compaction's ``old -> new`` block renaming."""
+        self.blocks = [mapping.get(b, b) for b in self.blocks]
+
+
+@dataclass(slots=True)
+class SwappedTable:
+    """A table whose KV lives in host slots until it is swapped back in."""
+
+    host_slots: list[int]
+    num_tokens: int
+
+
+class KVCache:
+    """Blocks, KV data and prefix tree of one model.
+
+    Guarantees: KV read through a table is the KV written through it or through a table it shares
+    with (prefix hits, forks), whatever evictions, copies, swaps or compactions happen in between.
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu",
+                 num_host_blocks: int = 0, policy: str = "lru") -> None:
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.metrics = CacheMetrics()
+        self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
+        self.storage = KVStorage(layout, num_blocks, device, num_host_blocks)
+        self.tree = RadixTree(self.pool, layout.block_size, policy, block_cost=layout.num_layers,
+                              metrics=self.metrics)
+
+    @classmethod
+    def from_memory(cls, layout: KVLayout, memory: str | int, host_memory: str | int = 0,
+                    device: str | torch.device = "cpu", policy: str = "lru") -> "KVCache":
+        """Size the device pool (and the host tier) from byte budgets such as ``"2GiB"``."""
+        host = layout.blocks_for(host_memory) if host_memory else 0
+        return cls(layout, layout.blocks_for(memory), device, host, policy)
+
+    # -- allocation -----------------------------------------------------------------------------
+    def num_available(self) -> int:
+        """Blocks that ``allocate`` can hand out now (free plus evictable)."""
+        return self.pool.num_free + self.pool.num_evictable
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks (refcount 1), evicting cached blocks if needed."""
+        short = n - self.pool.num_free
+        if short > 0:
+            self.tree.evict(short)
+        return self.pool.allocate(n)
+
+    def blocks_needed(self, table: BlockTable, num_new_tokens: int) -> int:
+        """Blocks ``append_slots(table, num_new_tokens)`` would allocate."""
+        bs = self.block_size
+        grow = -(-(table.num_tokens + num_new_tokens) // bs) - len(table.blocks)
+        return max(grow, 0) + self._needs_copy(table)
+
+    def append_slots(self, table: BlockTable, n: int) -> list[int]:
+        """Reserve ``n`` more token slots at the end of ``table`` and return their flat slot ids
+        (``block * block_size + offset``). A shared last block is copied first."""
+        need = self.blocks_needed(table, n)
+        if need > self.num_available():
+            raise OutOfBlocksError(f"need {need} blocks, {self.num_available()} available")
+        fresh = self.allocate(need)
+        if self._needs_copy(table):
+            self._copy_on_write(table, fresh.pop())
+        table.blocks.extend(fresh)
+        bs, start = self.block_size, table.num_tokens
+        table.num_tokens += n
+        blocks = table.blocks
+        return [blocks[t // bs] * bs + t % bs for t in range(start, start + n)]
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A second table sharing every block of ``table`` (parallel sampling)."""
+        self.pool.incref(table.blocks)
+        return BlockTable(list(table.blocks), table.num_tokens)
+
+    def free(self, table: BlockTable) -> None:
+        """Release the table's references; cached blocks stay in the tree as evictable."""
+        self.pool.decref(table.blocks)
+        table.blocks, table.num_tokens = [], 0
+
+    def _needs_copy(self, table: BlockTable) -> bool:
+        if table.num_tokens % self.block_size == 0:
+            return False
+        last = table.blocks[-1]
+        return self.pool.refcount[last] > 1 or self.pool.cached[last]
+
+    def _copy_on_write(self, table: BlockTable, fresh: int) -> None:
+        last = table.blocks[-1]
+        self.storage.copy_blocks([last], [fresh], num_tokens=table.num_tokens % self.block_size)
+        self.pool.decref([last])
+        table.blocks[-1] = fresh
+        self.metrics.cow_copies += 1
+
+    # -- prefix cache ---------------------------------------------------------------------------
+    def acquire_prefix(self, keys: np.ndarray, namespace: bytes = b"") -> BlockTable:
+        """A table holding the longest cached prefix of ``keys``: shared full blocks plus, when the
+        match goes on inside a cached block, a private block with the matching slots copied.
+
+        Pass the keys of the tokens that may be served from cache (for a prompt, all but its last
+        token, whose logits must be computed).
+        """
+        match = self.tree.match_prefix(keys, namespace)
+        self.tree.lock(match.blocks)
+        table = BlockTable(list(match.blocks), match.num_tokens)
+        if match.partial_tokens:
+            self.tree.lock([match.partial_block])  # so allocating cannot evict it
+            if self.num_available() >= 1:
+                [fresh] = self.allocate(1)
+                self.storage.copy_blocks([match.partial_block], [fresh],
+                                         num_tokens=match.partial_tokens)
+                table.blocks.append(fresh)
+                table.num_tokens += match.partial_tokens
+            self.tree.unlock([match.partial_block])
+        return table
+
+    def cache_prefix(self, table: BlockTable, keys: np.ndarray, namespace: bytes = b"",
+                     cost_per_block: float | None = None) -> int:
+        """Insert the table's full blocks (holding ``keys``) into the tree; the table then points at
+        the tree's blocks. Returns how many were cached already."""
+        n = min(table.num_tokens, keys.shape[0]) // self.block_size
+        if n == 0:
+            return 0
+        result = self.tree.insert(keys[: n * self.block_size], table.blocks[:n], namespace,
+                                  cost_per_block)
+        table.blocks[:n] = result.blocks
+        return result.num_existing
+
+    # -- host tier ------------------------------------------------------------------------------
+    def swap_out(self, table: BlockTable) -> SwappedTable:
+        """Copy the table's KV to host slots and release its device blocks."""
+        if self.host_pool is None:
+            raise OutOfBlocksError("no host tier: build the cache with host memory to swap")
+        slots = self.host_pool.allocate(len(table.blocks))
+        self.storage.swap_out(table.blocks, slots)
+        self.metrics.swapped_out_blocks += len(slots)
+        swapped = SwappedTable(slots, table.num_tokens)
+        self.free(table)
+        return swapped
+
+    def swap_in(self, swapped: SwappedTable) -> BlockTable:
+        """Bring a swapped table back into fresh device blocks and release its host slots."""
+        n = len(swapped.host_slots)
+        if n > self.num_available():
+            raise OutOfBlocksError(f"swap-in needs {n} blocks, {self.num_available()} available")
+        blocks = self.allocate(n)
+        self.storage.swap_in(swapped.host_slots, blocks)
+        self.host_pool.decref(swapped.host_slots)
+        self.metrics.swapped_in_blocks += n
+        return BlockTable(blocks, swapped.num_tokens)
+
+    # -- compaction -----------------------------------------------------------------------------
+    def compact(self) -> dict[int, int]:
+        """Move every live (in-use or cached) block to the low end of the pool so the tail is free.
+
+        Returns the ``old -> new`` renaming; callers apply it to their tables (``BlockTable.remap``).
+        """
+        ref, cached = self.pool.refcount, self.pool.cached
+        live = [b for b in range(self.pool.num_blocks) if ref[b] or cached[b]]
+        n_live = len(live)
+        movers = [b for b in live if b >= n_live]
+        holes = [b for b in range(n_live) if not (ref[b] or cached[b])]
+        mapping = dict(zip(movers, holes))
+        self.storage.move_blocks(mapping)
+        self.pool.relocate(mapping)
+        self.tree.relocate(mapping)
+        self.metrics.compactions += 1
+        return mapping
+
+    # -- reporting ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        pool = self.pool
+        return {"blocks_total": pool.num_blocks, "blocks_free": pool.num_free,
+                "blocks_evictable": pool.num_evictable, "blocks_in_use": pool.num_in_use,
+                **self.metrics.as_dict()}
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        self.tree.check_integrity()
+        if self.host_pool is not None:
+            self.host_pool.check_integrity()

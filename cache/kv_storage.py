@@ -1,0 +1,109 @@
+"""Physical KV memory: one paged tensor per layer on the device, plus a host tier.
+
+Layout per layer is FlashInfer's NHD paged format ``[num_blocks, 2, block_size, num_kv_heads,
+head_dim]`` (index 0 of dim 1 is K, 1 is V). Block ids index dim 0 of every layer at once. The host
+tier has the same layout in CPU memory (pinned when CUDA is present) and holds swapped-out blocks.
+
+Guarantees: copies and swaps move every layer's K and V of a block bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(size: str | int) -> int:
+    """``"2GiB"`` / ``"512MB"`` / ``1 << 30`` -> bytes."""
+    if isinstance(size, int):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", size)
+        if m is None or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"memory size must look like '2GiB', '512MB' or an integer, got {size!r}")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {size!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one model's KV cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def blocks_for(self, memory: str | int) -> int:
+        """How many blocks fit in a byte budget (at least one, or ValueError)."""
+        budget = parse_bytes(memory)
+        n = budget // self.bytes_per_block
+        if n < 1:
+            raise ValueError(f"kv memory {memory!r} holds no block of {self.bytes_per_block} bytes")
+        return n
+
+
+class KVStorage:
+    """Per-layer paged KV tensors on ``device`` and a host tier of ``num_host_blocks`` slots."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu",
+                 num_host_blocks: int = 0) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        shape = (2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.layers = [torch.zeros((num_blocks, *shape), dtype=layout.dtype, device=self.device)
+                       for _ in range(layout.num_layers)]
+        pin = torch.cuda.is_available()
+        self.host = [torch.zeros((num_host_blocks, *shape), dtype=layout.dtype, pin_memory=pin)
+                     for _ in range(layout.num_layers)]
+
+    @property
+    def device_bytes(self) -> int:
+        return self.num_blocks * self.layout.bytes_per_block
+
+    def copy_blocks(self, src: list[int], dst: list[int], num_tokens: int | None = None) -> None:
+        """Copy blocks ``src[i] -> dst[i]`` in every layer (only the first ``num_tokens`` slots if
+        given: token-exact reuse of a partially matching block)."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
+        for layer in self.layers:
+            if num_tokens is None:
+                layer[d] = layer[s]
+            else:
+                layer[d, :, :num_tokens] = layer[s, :, :num_tokens]
+
+    def move_blocks(self, mapping: dict[int, int]) -> None:
+        """Compaction: data of each ``old`` block ends up in ``new``."""
+        self.copy_blocks(list(mapping), list(mapping.values()))
+
+    def swap_out(self, blocks: list[int], host_slots: list[int]) -> None:
+        """Device blocks -> host slots."""
+        d = torch.tensor(blocks, device=self.device)
+        h = torch.tensor(host_slots)
+        for layer, host in zip(self.layers, self.host):
+            host[h] = layer[d].to("cpu", non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def swap_in(self, host_slots: list[int], blocks: list[int]) -> None:
+        """Host slots -> device blocks."""
+        d = torch.tensor(blocks, device=self.device)
+        h = torch.tensor(host_slots)
+        for layer, host in zip(self.layers, self.host):
+            layer[d] = host[h].to(self.device, non_blocking=True)

@@ -1,0 +1,133 @@
+import pytest
+import torch
+
+from cache import KVCache, KVLayout, OutOfBlocksError, make_keys, parse_bytes
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
+
+
+def write(cache: KVCache, slots: list[int], seed: int) -> torch.Tensor:
+    """Write random K/V into flat slots of every layer; returns what was written."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randn(LAYOUT.num_layers, 2, len(slots), LAYOUT.num_kv_heads, LAYOUT.head_dim,
+                       generator=g)
+    bs = LAYOUT.block_size
+    for layer, values in zip(cache.storage.layers, data):
+        for i, s in enumerate(slots):
+            layer[s // bs, :, s % bs] = values[:, i]
+    return data
+
+
+def read(cache: KVCache, table) -> torch.Tensor:
+    bs = LAYOUT.block_size
+    slots = [table.blocks[t // bs] * bs + t % bs for t in range(table.num_tokens)]
+    return torch.stack([torch.stack([layer[s // bs, :, s % bs] for s in slots], dim=1)
+                        for layer in cache.storage.layers])
+
+
+def filled_table(cache: KVCache, n: int, seed: int):
+    from cache import BlockTable
+    table = BlockTable()
+    data = write(cache, cache.append_slots(table, n), seed)
+    return table, data
+
+
+def test_sizes_from_a_byte_budget():
+    assert LAYOUT.bytes_per_block == 2 * 2 * 4 * 2 * 4 * 4 == 512
+    cache = KVCache.from_memory(LAYOUT, "4KiB", host_memory="1KiB")
+    assert cache.pool.num_blocks == 8 and cache.host_pool.num_blocks == 2
+    assert cache.storage.layers[0].shape == (8, 2, 4, 2, 4)
+    assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("1.5MB") == 1_500_000
+    for bad in ("lots", "-1GiB", "3 parsecs", 0):
+        with pytest.raises(ValueError, match="memory size"):
+            parse_bytes(bad)
+    with pytest.raises(ValueError, match="holds no block"):
+        KVCache.from_memory(LAYOUT, "100B")
+
+
+def test_fork_shares_blocks_and_copies_on_first_write():
+    cache = KVCache(LAYOUT, num_blocks=8)
+    parent, data = filled_table(cache, 6, seed=0)  # one full and one partial block
+    child = cache.fork(parent)
+    assert child.blocks == parent.blocks and cache.pool.refcount[parent.blocks[1]] == 2
+    [slot] = cache.append_slots(child, 1)
+    assert child.blocks[0] == parent.blocks[0] and child.blocks[1] != parent.blocks[1]
+    assert cache.metrics.cow_copies == 1
+    write(cache, [slot], seed=1)
+    assert torch.equal(read(cache, parent), data)  # the parent's partial block is untouched
+    assert torch.equal(read(cache, child)[:, :, :6], data)
+    [slot2] = cache.append_slots(parent, 1)  # the parent now owns its block alone: no copy
+    assert slot2 // LAYOUT.block_size == parent.blocks[1] and cache.metrics.cow_copies == 1
+    cache.free(parent)
+    cache.free(child)
+    assert cache.pool.num_free == 8
+
+
+def test_cached_partial_prefix_is_copied_token_exactly():
+    cache = KVCache(LAYOUT, num_blocks=8)
+    tokens = list(range(12))
+    table, data = filled_table(cache, 12, seed=3)
+    cache.cache_prefix(table, make_keys(tokens))
+    cache.free(table)
+    hit = cache.acquire_prefix(make_keys(tokens[:10]))
+    assert hit.num_tokens == 10 and len(hit.blocks) == 3
+    assert not cache.pool.cached[hit.blocks[2]]  # a private copy of the matching slots
+    assert torch.equal(read(cache, hit), data[:, :, :10])
+    write(cache, cache.append_slots(hit, 2), seed=4)  # writes go to the private block only
+    again = cache.acquire_prefix(make_keys(tokens))
+    assert torch.equal(read(cache, again), data)
+    cache.free(hit)
+    cache.free(again)
+
+
+def test_append_is_all_or_nothing():
+    cache = KVCache(LAYOUT, num_blocks=2)
+    table, _ = filled_table(cache, 6, seed=0)
+    with pytest.raises(OutOfBlocksError, match="need 1 blocks, 0 available"):
+        cache.append_slots(table, 3)
+    assert table.num_tokens == 6 and len(table.blocks) == 2
+    cache.free(table)
+
+
+def test_swap_round_trip_is_bit_exact():
+    cache = KVCache(LAYOUT, num_blocks=6, num_host_blocks=4)
+    table, data = filled_table(cache, 10, seed=5)
+    swapped = cache.swap_out(table)
+    assert cache.pool.num_free == 6 and cache.metrics.swapped_out_blocks == 3
+    filler, _ = filled_table(cache, 12, seed=6)  # device blocks get reused meanwhile
+    cache.free(filler)
+    back = cache.swap_in(swapped)
+    assert torch.equal(read(cache, back), data)
+    assert cache.host_pool.num_free == 4 and cache.metrics.swapped_in_blocks == 3
+    cache.free(back)
+
+
+def test_swap_without_host_tier_says_so():
+    cache = KVCache(LAYOUT, num_blocks=2)
+    table, _ = filled_table(cache, 2, seed=0)
+    with pytest.raises(OutOfBlocksError, match="no host tier"):
+        cache.swap_out(table)
+    cache.free(table)
+
+
+def test_compaction_moves_live_blocks_down_and_keeps_data():
+    cache = KVCache(LAYOUT, num_blocks=12)
+    tables = [filled_table(cache, 8, seed=i) for i in range(5)]  # blocks 0..9
+    cached_tokens = list(range(100, 108))
+    cache.cache_prefix(tables[4][0], make_keys(cached_tokens))
+    for t, _ in tables[:3]:
+        cache.free(t)  # holes at 0..5; blocks 6..9 stay (one table live, one cached)
+    mapping = cache.compact()
+    assert sorted(mapping.values()) == [0, 1, 2, 3] and sorted(mapping) == [6, 7, 8, 9]
+    tail = cache.pool.allocate(8)
+    assert tail == list(range(4, 12))  # a contiguous free tail
+    cache.pool.decref(tail)
+    for t, data in tables[3:]:
+        t.remap(mapping)
+        assert max(t.blocks) < 4 and torch.equal(read(cache, t), data)
+        cache.free(t)
+    assert cache.pool.num_evictable == 2 and cache.metrics.compactions == 1
+    hit = cache.acquire_prefix(make_keys(cached_tokens + [0]))
+    assert hit.num_tokens == 8 and max(hit.blocks) < 4
+    assert torch.equal(read(cache, hit), tables[4][1])
+    cache.free(hit)

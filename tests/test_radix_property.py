@@ -1,0 +1,132 @@
+"""The radix tree against a naive reference: a dict of cached block-aligned prefixes.
+
+The reference knows nothing of nodes, splits or hashes. It stores every cached prefix (a tuple of
+block keys) with the logical time it was last used, and evicts, one block at a time, the least
+recently used unlocked prefix that no other cached prefix extends. The tree must agree on every
+match, every insert, every eviction and every count.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from cache import BlockPool, RadixTree, make_keys
+from cache.keys import block_keys, common_rows
+
+BS = 2
+NUM_BLOCKS = 400
+sequences = st.lists(st.integers(0, 2), min_size=0, max_size=12)
+namespaces = st.sampled_from([b"", b"tenant"])
+
+
+class Reference:
+    def __init__(self) -> None:
+        self.clock = 0
+        self.cached: dict[tuple, int] = {}  # (namespace, block keys...) -> last use
+        self.locked: Counter[tuple] = Counter()
+
+    def prefixes(self, ns: bytes, tokens: list[int]) -> list[tuple]:
+        keys = block_keys(make_keys(tokens), BS)
+        return [(ns, *keys[: i + 1]) for i in range(len(keys))]
+
+    def match(self, ns: bytes, tokens: list[int]) -> tuple[list[tuple], int]:
+        self.clock += 1
+        hit = []
+        for p in self.prefixes(ns, tokens):
+            if p not in self.cached:
+                break
+            hit.append(p)
+        for p in hit:
+            self.cached[p] = self.clock
+        start = len(hit) * BS
+        tail = make_keys(tokens)[start:start + BS].tobytes()
+        parent = hit[-1] if hit else (ns,)
+        partial = max((common_rows(tail, p[-1]) for p in self.cached
+                       if len(p) == len(parent) + 1 and p[:-1] == parent), default=0) if tail else 0
+        return hit, partial
+
+    def insert(self, ns: bytes, tokens: list[int]) -> int:
+        self.clock += 1
+        existing = 0
+        for p in self.prefixes(ns, tokens):
+            existing += p in self.cached
+            self.cached[p] = self.clock
+        return existing
+
+    def evict(self, n: int) -> int:
+        done = 0
+        while done < n:
+            extended = {p[:-1] for p in self.cached}
+            leaves = [p for p in self.cached if p not in extended and not self.locked[p]]
+            if not leaves:
+                break
+            del self.cached[min(leaves, key=self.cached.__getitem__)]
+            done += 1
+        return done
+
+
+class TreeMachine(RuleBasedStateMachine):
+    @initialize(policy=st.just("lru"))
+    def build(self, policy):
+        self.pool = BlockPool(NUM_BLOCKS)
+        self.tree = RadixTree(self.pool, BS, policy=policy)
+        self.ref = Reference()
+        self.locks: list[tuple[list[int], list[tuple]]] = []
+
+    @rule(ns=namespaces, tokens=sequences)
+    def insert(self, ns, tokens):
+        blocks = self.pool.allocate(len(tokens) // BS)
+        result = self.tree.insert(make_keys(tokens), blocks, ns)
+        assert result.num_existing == self.ref.insert(ns, tokens)
+        self.tree.unlock(result.blocks)
+
+    @rule(ns=namespaces, tokens=sequences, hold=st.booleans())
+    def match(self, ns, tokens, hold):
+        m = self.tree.match_prefix(make_keys(tokens), ns)
+        hit, partial = self.ref.match(ns, tokens)
+        assert m.num_tokens == len(hit) * BS == len(m.blocks) * BS
+        assert m.partial_tokens == partial
+        if hold:
+            self.tree.lock(m.blocks)
+            self.ref.locked.update(hit)
+            self.locks.append((m.blocks, hit))
+
+    @precondition(lambda self: self.locks)
+    @rule(data=st.data())
+    def unlock(self, data):
+        blocks, hit = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
+        self.tree.unlock(blocks)
+        self.ref.locked.subtract(hit)
+
+    @rule(n=st.integers(1, 8))
+    def evict(self, n):
+        assert self.tree.evict(n) == self.ref.evict(n)
+
+    @invariant()
+    def same_cache_and_accounting(self):
+        if not hasattr(self, "tree"):
+            return
+        got = set()
+        for ns, root in self.tree._roots.items():
+            stack = [(root, (ns,))]
+            while stack:
+                node, prefix = stack.pop()
+                for key in node.keys:
+                    prefix = (*prefix, key)
+                    got.add(prefix)
+                stack.extend((c, prefix) for c in node.child_nodes())
+        assert got == set(self.ref.cached)
+        in_use = {p for p, c in self.ref.locked.items() if c > 0}
+        assert self.pool.num_in_use == len(in_use)
+        assert self.pool.num_evictable == len(got) - len(in_use)
+        assert self.pool.num_free == NUM_BLOCKS - len(got)
+        self.tree.check_integrity()
+        self.pool.check_integrity()
+
+
+TreeMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_tree_matches_reference = TreeMachine.TestCase
