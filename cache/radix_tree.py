@@ -105,6 +105,9 @@ class RadixTree:
         self._roots: dict[bytes, Node] = {}
         self._node_of: list[Node | None] = [None] * pool.num_blocks
         self._evictable: set[Node] = set()
+        # Lazy priority queue over the evictable set: entries go stale when a node is touched or
+        # stops being evictable and are skipped on pop; rebuilt when stale entries dominate.
+        self._heap: list[tuple[float, int, Node]] = []
         self._clock = 0
         pool.set_listener(self._on_ref_change)
 
@@ -171,13 +174,11 @@ class RadixTree:
 
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` unreferenced blocks in policy order; returns how many."""
-        key = self.policy.key
-        heap = [(key(n), n.uid, n) for n in self._evictable]
-        heapq.heapify(heap)
+        key, heap = self.policy.key, self._heap
         evicted = 0
         while evicted < num_blocks and heap:
-            _, _, node = heapq.heappop(heap)
-            if node not in self._evictable:
+            priority, _, node = heapq.heappop(heap)
+            if node not in self._evictable or priority != key(node):
                 continue
             take = min(len(node.blocks), num_blocks - evicted)
             first_hash = node.hashes[0]
@@ -189,10 +190,10 @@ class RadixTree:
                 self.pool.uncache(block)
             evicted += take
             self.policy.evicted(node)
-            if not node.blocks:
-                parent = self._detach(node, first_hash)
-                if parent in self._evictable:
-                    heapq.heappush(heap, (key(parent), parent.uid, parent))
+            if node.blocks:
+                self._push(node)
+            else:
+                self._detach(node, first_hash)
         self.metrics.evictions += evicted
         return evicted
 
@@ -248,6 +249,15 @@ class RadixTree:
         node.last_access = self._clock
         node.hits += hit
         self.policy.touch(node)
+        if node in self._evictable:
+            self._push(node)
+
+    def _push(self, node: Node) -> None:
+        heap = self._heap
+        if len(heap) > 2 * len(self._evictable) + 64:
+            heap[:] = [(self.policy.key(n), n.uid, n) for n in self._evictable if n is not node]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (self.policy.key(node), node.uid, node))
 
     def _split(self, node: Node, j: int) -> Node:
         """Cut ``node``'s edge after ``j`` blocks; the new upper node is returned."""
@@ -284,7 +294,7 @@ class RadixTree:
         self._refresh(parent)
         self._refresh(leaf)
 
-    def _detach(self, node: Node, first_hash: int) -> Node:
+    def _detach(self, node: Node, first_hash: int) -> None:
         """Remove an emptied leaf (whose first block hashed to ``first_hash``) from its parent."""
         parent = node.parent
         bucket = parent.children[first_hash]
@@ -293,7 +303,6 @@ class RadixTree:
             del parent.children[first_hash]
         self._evictable.discard(node)
         self._refresh(parent)
-        return parent
 
     def _on_ref_change(self, block: int, busy: bool) -> None:
         node = self._node_of[block]
@@ -302,7 +311,9 @@ class RadixTree:
 
     def _refresh(self, node: Node) -> None:
         if node.parent is not None and node.busy == 0 and node.blocks and not node.children:
-            self._evictable.add(node)
+            if node not in self._evictable:
+                self._evictable.add(node)
+                self._push(node)
         else:
             self._evictable.discard(node)
 

@@ -1,0 +1,32 @@
+"""Entry point: ``python -m mmkv.bench cache --json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mmkv.bench import cache_bench
+
+BENCHMARKS = {"cache": cache_bench}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mmkv.bench")
+    sub = parser.add_subparsers(dest="name", required=True)
+    for name, module in BENCHMARKS.items():
+        p = sub.add_parser(name, help=module.__doc__.splitlines()[0])
+        module.add_arguments(p)
+        p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    args = parser.parse_args(argv)
+    result = BENCHMARKS[args.name].run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>32}: {value}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
