@@ -36,8 +36,11 @@ class BlockTable:
 
 @dataclass(slots=True)
 class SwappedTable:
-    """A table whose KV lives in host slots until it is swapped back in."""
+    """A table parked in the host tier: ``blocks`` keeps the device blocks it shares with other
+    tables (still referenced, so they stay put) and ``-1`` where the data moved to the next of
+    ``host_slots``."""
 
+    blocks: list[int]
     host_slots: list[int]
     num_tokens: int
 
@@ -159,26 +162,39 @@ class KVCache:
 
     # -- host tier ------------------------------------------------------------------------------
     def swap_out(self, table: BlockTable) -> SwappedTable:
-        """Copy the table's KV to host slots and release its device blocks."""
-        if self.host_pool is None:
+        """Move the table's blocks that nobody else references to host slots and release them;
+        blocks shared with other tables stay on the device (moving them would free nothing)."""
+        ref = self.pool.refcount
+        moved = [b for b in table.blocks if ref[b] == 1]
+        if moved and self.host_pool is None:
             raise OutOfBlocksError("no host tier: build the cache with host memory to swap")
-        slots = self.host_pool.allocate(len(table.blocks))
-        self.storage.swap_out(table.blocks, slots)
-        self.metrics.swapped_out_blocks += len(slots)
-        swapped = SwappedTable(slots, table.num_tokens)
-        self.free(table)
+        slots = self.host_pool.allocate(len(moved)) if moved else []
+        self.storage.swap_out(moved, slots)
+        self.metrics.swapped_out_blocks += len(moved)
+        swapped = SwappedTable([-1 if ref[b] == 1 else b for b in table.blocks], slots,
+                               table.num_tokens)
+        self.pool.decref(moved)
+        table.blocks, table.num_tokens = [], 0
         return swapped
 
     def swap_in(self, swapped: SwappedTable) -> BlockTable:
-        """Bring a swapped table back into fresh device blocks and release its host slots."""
+        """Bring a swapped table back (fresh device blocks for the moved part) and release its
+        host slots."""
         n = len(swapped.host_slots)
         if n > self.num_available():
             raise OutOfBlocksError(f"swap-in needs {n} blocks, {self.num_available()} available")
-        blocks = self.allocate(n)
-        self.storage.swap_in(swapped.host_slots, blocks)
+        fresh = self.allocate(n)
+        self.storage.swap_in(swapped.host_slots, fresh)
         self.host_pool.decref(swapped.host_slots)
         self.metrics.swapped_in_blocks += n
-        return BlockTable(blocks, swapped.num_tokens)
+        it = iter(fresh)
+        return BlockTable([next(it) if b < 0 else b for b in swapped.blocks], swapped.num_tokens)
+
+    def drop_swapped(self, swapped: SwappedTable) -> None:
+        """Release a swapped table without bringing it back."""
+        self.pool.decref([b for b in swapped.blocks if b >= 0])
+        if swapped.host_slots:
+            self.host_pool.decref(swapped.host_slots)
 
     # -- compaction -----------------------------------------------------------------------------
     def compact(self) -> dict[int, int]:

@@ -94,6 +94,8 @@ class KVStorage:
 
     def swap_out(self, blocks: list[int], host_slots: list[int]) -> None:
         """Device blocks -> host slots."""
+        if not blocks:
+            return
         d = torch.tensor(blocks, device=self.device)
         h = torch.tensor(host_slots)
         for layer, host in zip(self.layers, self.host):
@@ -103,6 +105,8 @@ class KVStorage:
 
     def swap_in(self, host_slots: list[int], blocks: list[int]) -> None:
         """Host slots -> device blocks."""
+        if not blocks:
+            return
         d = torch.tensor(blocks, device=self.device)
         h = torch.tensor(host_slots)
         for layer, host in zip(self.layers, self.host):

@@ -102,6 +102,22 @@ def test_swap_round_trip_is_bit_exact():
     cache.free(back)
 
 
+def test_swap_keeps_shared_blocks_on_device():
+    cache = KVCache(LAYOUT, num_blocks=6, num_host_blocks=4)
+    table, data = filled_table(cache, 10, seed=7)
+    sibling = cache.fork(table)  # shares all three blocks
+    cache.append_slots(sibling, 1)  # copy-on-write: the partial last block is now private
+    swapped = cache.swap_out(table)
+    assert swapped.blocks[:2] == sibling.blocks[:2] and swapped.blocks[2] == -1
+    assert len(swapped.host_slots) == 1
+    back = cache.swap_in(swapped)
+    assert back.blocks[:2] == sibling.blocks[:2] and torch.equal(read(cache, back), data)
+    parked = cache.swap_out(back)
+    cache.drop_swapped(parked)
+    cache.free(sibling)
+    assert cache.pool.num_free == 6 and cache.host_pool.num_free == 4
+
+
 def test_swap_without_host_tier_says_so():
     cache = KVCache(LAYOUT, num_blocks=2)
     table, _ = filled_table(cache, 2, seed=0)

@@ -1,0 +1,143 @@
+"""One engine step's attention metadata in FlashInfer's paged format.
+
+For a batch of sequences, sequence ``i`` contributes ``q_lens[i]`` new tokens (packed one after the
+other) and, after they are written, has ``kv_lens[i]`` tokens of KV in the pages ``pages[i]``.
+``qo_indptr``, ``kv_indptr``, ``kv_indices`` and ``kv_last_page_len`` are exactly the int32 arrays
+FlashInfer's wrappers take; the torch backend reads the same arrays (plus host-side copies, so it
+never synchronises with the device to learn a length).
+
+Cascade: decode sequences whose page lists start with the same full pages form a group; the shared
+pages are attended once for the whole group and merged with each sequence's own suffix by
+log-sum-exp (the CPU form of FlashInfer's multi-level cascade attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class CascadeGroup:
+    """Decode sequences (positions in ``DecodePlan.rows``) that share ``shared_pages``."""
+
+    members: torch.Tensor  # long [m], positions into the decode list
+    shared_pages: torch.Tensor  # long [p]
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """How the single-token sequences of a step are attended, batched."""
+
+    rows: torch.Tensor  # long [d], token index of each decode sequence in the packed batch
+    pages: torch.Tensor  # long [d, max_pages], each sequence's pages after its shared ones (padded)
+    lens: torch.Tensor  # long [d], KV tokens in those pages
+    positions: torch.Tensor  # long [d], absolute position of the query token
+    groups: list[CascadeGroup]
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    """Metadata of one forward step over the paged KV cache."""
+
+    block_size: int
+    qo_indptr: torch.Tensor  # int32 [B+1]
+    kv_indptr: torch.Tensor  # int32 [B+1]
+    kv_indices: torch.Tensor  # int32 [nnz pages]
+    kv_last_page_len: torch.Tensor  # int32 [B]
+    positions: torch.Tensor  # long [T], position of every new token in its sequence
+    write_blocks: torch.Tensor  # long [T], page that receives each new token's K/V
+    write_offsets: torch.Tensor  # long [T], slot inside that page
+    q_lens: list[int]
+    kv_lens: list[int]
+    pages: list[torch.Tensor]  # long page ids per sequence (on the device)
+    prefill: list[int]  # sequences with more than one new token
+    decode: DecodePlan | None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+
+def _shared_full_pages(tables: list[list[int]], kv_lens: list[int], block_size: int) -> int:
+    """Number of leading pages identical in every table and full (not the page being written)."""
+    limit = min((n - 1) // block_size for n in kv_lens)
+    first = tables[0]
+    n = 0
+    while n < limit and all(t[n] == first[n] for t in tables):
+        n += 1
+    return n
+
+
+def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], block_size: int,
+               device: torch.device, cascade: bool = True) -> PagedBatch:
+    """Build the metadata for sequences with page lists ``tables`` (covering ``kv_lens`` tokens
+    each, the last ``q_lens`` of which are new this step)."""
+    if not (len(tables) == len(q_lens) == len(kv_lens)):
+        raise ValueError("tables, q_lens and kv_lens must have one entry per sequence")
+    pages = [t[: -(-n // block_size)] for t, n in zip(tables, kv_lens)]
+    positions, write_blocks, write_offsets = [], [], []
+    for pg, q, n in zip(pages, q_lens, kv_lens):
+        for pos in range(n - q, n):
+            positions.append(pos)
+            write_blocks.append(pg[pos // block_size])
+            write_offsets.append(pos % block_size)
+    qo = [0]
+    kv = [0]
+    for q, pg in zip(q_lens, pages):
+        qo.append(qo[-1] + q)
+        kv.append(kv[-1] + len(pg))
+
+    def i32(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int32, device=device)
+
+    def i64(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    decode_ids = [i for i, q in enumerate(q_lens) if q == 1]
+    return PagedBatch(
+        block_size=block_size,
+        qo_indptr=i32(qo), kv_indptr=i32(kv),
+        kv_indices=i32([p for pg in pages for p in pg]),
+        kv_last_page_len=i32([(n - 1) % block_size + 1 for n in kv_lens]),
+        positions=i64(positions), write_blocks=i64(write_blocks), write_offsets=i64(write_offsets),
+        q_lens=list(q_lens), kv_lens=list(kv_lens), pages=[i64(pg) for pg in pages],
+        prefill=[i for i, q in enumerate(q_lens) if q > 1],
+        decode=_plan_decode(decode_ids, pages, kv_lens, qo, block_size, device, cascade)
+        if decode_ids else None,
+    )
+
+
+def _plan_decode(ids: list[int], pages: list[list[int]], kv_lens: list[int], qo: list[int],
+                 block_size: int, device: torch.device, cascade: bool) -> DecodePlan:
+    shared = {i: 0 for i in ids}
+    groups: list[CascadeGroup] = []
+    if cascade:
+        by_first: dict[int, list[int]] = {}
+        for pos, i in enumerate(ids):
+            if kv_lens[i] > block_size:
+                by_first.setdefault(pages[i][0], []).append(pos)
+        for members in by_first.values():
+            if len(members) < 2:
+                continue
+            seqs = [ids[m] for m in members]
+            n = _shared_full_pages([pages[i] for i in seqs], [kv_lens[i] for i in seqs], block_size)
+            if n == 0:
+                continue
+            for i in seqs:
+                shared[i] = n
+            groups.append(CascadeGroup(
+                members=torch.tensor(members, dtype=torch.long, device=device),
+                shared_pages=torch.tensor(pages[seqs[0]][:n], dtype=torch.long, device=device)))
+    suffix = [pages[i][shared[i]:] for i in ids]
+    width = max(len(s) for s in suffix)
+    padded = [s + [s[-1]] * (width - len(s)) for s in suffix]
+    return DecodePlan(
+        rows=torch.tensor([qo[i] for i in ids], dtype=torch.long, device=device),
+        pages=torch.tensor(padded, dtype=torch.long, device=device),
+        lens=torch.tensor([kv_lens[i] - shared[i] * block_size for i in ids], dtype=torch.long,
+                          device=device),
+        positions=torch.tensor([kv_lens[i] - 1 for i in ids], dtype=torch.long, device=device),
+        groups=groups,
+    )

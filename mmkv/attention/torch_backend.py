@@ -1,0 +1,128 @@
+"""Reference attention over the paged KV cache, in plain torch (CPU and any device).
+
+Reads exactly the metadata FlashInfer's kernels receive (``PagedBatch``). Prefill sequences are
+attended one at a time with torch's SDPA (queries in chunks, so memory stays bounded for long
+prompts); single-token decode sequences are attended together. Decode groups that share leading
+pages attend those pages once for the whole group and merge with each sequence's own pages by
+log-sum-exp, which gives the same result as attending the concatenation.
+
+Guarantees: output equals dense causal attention (with the sliding window, when given) over the
+sequence's KV, up to floating-point rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mmkv.attention.metadata import PagedBatch
+
+QUERY_CHUNK = 2048
+
+
+def write_kv(layer: torch.Tensor, batch: PagedBatch, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Store the step's new K/V ``[T, kv_heads, head_dim]`` into their pages."""
+    layer[batch.write_blocks, 0, batch.write_offsets] = key
+    layer[batch.write_blocks, 1, batch.write_offsets] = value
+
+
+def gather_kv(layer: torch.Tensor, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[length, kv_heads, head_dim]`` of a page list."""
+    blocks = layer[pages]  # [P, 2, bs, H, D]
+    _, _, bs, h, d = blocks.shape
+    k = blocks[:, 0].reshape(-1, h, d)[:length]
+    v = blocks[:, 1].reshape(-1, h, d)[:length]
+    return k, v
+
+
+def attention(query: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale: float,
+              sliding_window: int | None = None) -> torch.Tensor:
+    """Attention output ``[T, q_heads, head_dim]`` for the packed queries ``[T, q_heads, head_dim]``
+    (their K/V must already be written)."""
+    out = torch.empty_like(query)
+    qo = batch.qo_indptr.tolist() if batch.prefill else None
+    for i in batch.prefill:
+        k, v = gather_kv(layer, batch.pages[i], batch.kv_lens[i])
+        start, end = qo[i], qo[i + 1]
+        out[start:end] = _prefill_one(query[start:end], k, v, batch.kv_lens[i], scale, sliding_window)
+    if batch.decode is not None:
+        plan = batch.decode
+        out[plan.rows] = _decode(query[plan.rows], layer, batch, scale, sliding_window)
+    return out
+
+
+def _causal_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    kv_pos = torch.arange(kv_len, device=q_pos.device)
+    allowed = kv_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= kv_pos[None, :] > q_pos[:, None] - window
+    return allowed
+
+
+def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, scale: float,
+                 window: int | None) -> torch.Tensor:
+    n = q.shape[0]
+    kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, H, L, D]
+    out = torch.empty_like(q)
+    for s in range(0, n, QUERY_CHUNK):
+        e = min(s + QUERY_CHUNK, n)
+        q_pos = torch.arange(kv_len - n + s, kv_len - n + e, device=q.device)
+        mask = _causal_mask(q_pos, kv_len, window)
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], kt, vt, attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched attention with its log-sum-exp.
+
+    q ``[B, Hkv, M, D]``, k/v ``[B, Hkv, L, D]``, allowed ``[B, 1, M, L]`` (every row has at least one
+    allowed key). Returns out ``[B, Hkv, M, D]`` and lse ``[B, Hkv, M]`` (natural log).
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    return torch.matmul(probs, v), lse
+
+
+def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                 lse_b: torch.Tensor) -> torch.Tensor:
+    """Combine two attention results over disjoint key sets into the result over their union."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
+
+
+def _decode(q: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale: float,
+            window: int | None) -> torch.Tensor:
+    """Attention of ``d`` single-token queries ``[d, Hq, D]``."""
+    plan = batch.decode
+    d, hq, dim = q.shape
+    hkv = layer.shape[3]
+    groups_q = q.view(d, hkv, hq // hkv, dim)  # [d, Hkv, G, D]
+    bs = batch.block_size
+    use_cascade = bool(plan.groups) and (window is None or max(batch.kv_lens) <= window)
+    if plan.groups and not use_cascade:
+        raise ValueError("cascade plans need a window covering every sequence; plan without cascade")
+    # Each sequence's own pages, padded to the longest.
+    blocks = layer[plan.pages]  # [d, P, 2, bs, Hkv, D]
+    k = blocks[:, :, 0].reshape(d, -1, hkv, dim).transpose(1, 2)  # [d, Hkv, L, D]
+    v = blocks[:, :, 1].reshape(d, -1, hkv, dim).transpose(1, 2)
+    offset = plan.positions - plan.lens + 1  # absolute position of the first suffix token
+    kv_pos = offset[:, None] + torch.arange(k.shape[2], device=q.device)[None, :]
+    allowed = torch.arange(k.shape[2], device=q.device)[None, :] < plan.lens[:, None]
+    if window is not None:
+        allowed &= kv_pos > (plan.positions[:, None] - window)
+    out, lse = _attend(groups_q, k, v, allowed[:, None, None, :], scale)
+    for group in plan.groups:
+        ks, vs = gather_kv(layer, group.shared_pages, group.shared_pages.shape[0] * bs)
+        m = group.members.shape[0]
+        gq = groups_q[group.members].permute(1, 0, 2, 3).reshape(1, hkv, -1, dim)  # [1, Hkv, m*G, D]
+        everything = torch.ones((1, 1, 1, ks.shape[0]), dtype=torch.bool, device=q.device)
+        s_out, s_lse = _attend(gq, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], everything, scale)
+        s_out = s_out.view(hkv, m, -1, dim).transpose(0, 1)  # [m, Hkv, G, D]
+        s_lse = s_lse.view(hkv, m, -1).transpose(0, 1)
+        out[group.members] = merge_states(s_out, s_lse, out[group.members], lse[group.members])
+    return out.reshape(d, hq, dim)

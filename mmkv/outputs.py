@@ -1,0 +1,39 @@
+"""What the engine hands back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request. ``finish_reason`` is ``"stop"``, ``"length"`` or None while running."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's prompt and its ``n`` samples; ``text``/``token_ids``/``finish_reason`` are those
+    of the first sample, for the common ``n == 1`` case."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    cached_tokens: int
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

@@ -1,0 +1,258 @@
+"""Continuous batching over one ``KVCache``: which sequences compute how many tokens each step.
+
+Order of work in a step, under a budget of ``max_num_batched_tokens``:
+
+1. Running sequences, most important first (lowest ``priority``, then oldest): each gets its next
+   chunk (one token when decoding, up to the remaining budget when prefilling; long prompts are
+   prefilled in chunks). When the pool cannot hold a chunk, the least important running sequence
+   (highest ``priority`` value, then newest) is preempted until it fits, possibly the sequence
+   itself.
+2. Swapped sequences come back when their blocks fit, unless this step preempted.
+3. Waiting sequences are admitted in order while their first chunk fits. A waiting sequence whose
+   prompt shares at least a block more with a sequence still prefilling than the cache holds yet
+   waits one step, so prompts submitted together compute their shared prefix once.
+
+Preemption either swaps the victim's private blocks to the host tier or drops them to recompute
+later. ``preemption="auto"`` picks per victim the cheaper by this estimate::
+
+    swap      = SWAP_LATENCY + 2 * bytes_to_move / host_bandwidth      (out now, in later)
+    recompute = tokens_to_recompute * 2 * num_parameters / device_flops
+
+where the blocks to move (and the tokens to recompute) are the victim's blocks that no other
+sequence references; shared blocks stay where they are either way. Without room in the host tier
+the victim is recomputed.
+
+Guarantees: a scheduled sequence has its slots reserved; the most important running sequence always
+progresses, so a request that fits in the pool alone always finishes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from cache import BlockTable, KVCache, OutOfBlocksError
+from mmkv.sequence import Sequence, Status
+
+SWAP_LATENCY = 1e-4  # seconds of fixed cost per swap (allocation, launch, synchronisation)
+DEVICE_SPEED = {  # (device_flops, host_bandwidth_bytes_per_s) for the preemption estimate
+    "cpu": (1e11, 5e9),
+    "cuda": (2e14, 2e10),
+}
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    preemption: str = "auto"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class ScheduledBatch(NamedTuple):
+    """Sequences to run this step and how many new tokens each computes."""
+
+    seqs: list[Sequence]
+    q_lens: list[int]
+
+
+@dataclass(slots=True)
+class PreemptionStats:
+    recompute: int = 0
+    swap: int = 0
+    swapped_bytes: int = 0
+
+
+class Scheduler:
+    """Decides each step's batch and keeps sequences' block tables in step with the cache."""
+
+    def __init__(self, kv: KVCache, config: SchedulerConfig, num_parameters: int,
+                 device_type: str) -> None:
+        self.kv = kv
+        self.config = config
+        self.num_parameters = num_parameters
+        self.flops, self.bandwidth = DEVICE_SPEED.get(device_type, DEVICE_SPEED["cuda"])
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.preemptions = PreemptionStats()
+        self.cached_prompt_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # -- the step -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        preemptions_before = self.preemptions.recompute + self.preemptions.swap
+        self.running.sort(key=lambda s: s.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_pending, budget)
+            if not self._reserve_preempting(seq, n):
+                break
+            batch.seqs.append(seq)
+            batch.q_lens.append(n)
+            budget -= n
+            i += 1
+        if self.preemptions.recompute + self.preemptions.swap == preemptions_before:
+            budget = self._resume_swapped(batch, budget)
+            if not self.swapped:
+                self._admit_waiting(batch, budget)
+        return batch
+
+    def _reserve_preempting(self, seq: Sequence, n: int) -> bool:
+        """Reserve ``n`` slots for ``seq``, preempting from the back of ``running`` as needed.
+        Returns False when ``seq`` itself had to be preempted."""
+        while True:
+            try:
+                self.kv.append_slots(seq.table, n)
+                return True
+            except OutOfBlocksError:
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+
+    def _resume_swapped(self, batch: ScheduledBatch, budget: int) -> int:
+        self.swapped.sort(key=lambda s: s.sort_key)
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_pending, budget)
+            need = len(seq.swapped.host_slots) + -(-n // self.kv.block_size) + 1
+            if need > self.kv.num_available():
+                break
+            self.swapped.pop(0)
+            seq.table, seq.swapped = self.kv.swap_in(seq.swapped), None
+            seq.num_cached_blocks = 0  # re-inserting dedupes the copies against the tree
+            self.kv.append_slots(seq.table, n)
+            self._run(seq, batch, n)
+            budget -= n
+        return budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        prefilling = [s for s in self.running if s.num_pending > 1]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            table = self._acquire(seq)
+            if self._should_wait_for(seq, table.num_tokens, prefilling):
+                self.kv.free(table)
+                continue
+            cached = table.num_tokens
+            n = min(len(seq.token_ids) - cached, budget)
+            try:
+                if self.kv.blocks_needed(table, n) > self.kv.num_available():
+                    raise OutOfBlocksError("first chunk does not fit")
+                self.kv.append_slots(table, n)
+            except OutOfBlocksError:
+                self.kv.free(table)
+                return
+            self.waiting.remove(seq)
+            if not seq.admitted:
+                seq.admitted, seq.cached_tokens = True, cached
+                self.cached_prompt_tokens += cached
+            seq.table, seq.num_computed = table, cached
+            seq.num_cached_blocks = cached // self.kv.block_size
+            self._run(seq, batch, n)
+            prefilling.append(seq)
+            budget -= n
+
+    def _acquire(self, seq: Sequence) -> BlockTable:
+        if not self.config.enable_prefix_caching:
+            return BlockTable()
+        # The last token is always computed: its logits choose the next token.
+        return self.kv.acquire_prefix(seq.keys(len(seq.token_ids) - 1), seq.namespace)
+
+    def _should_wait_for(self, seq: Sequence, cached: int, prefilling: list[Sequence]) -> bool:
+        if not self.config.enable_prefix_caching:
+            return False
+        mine = seq.tokens_array()
+        for other in prefilling:
+            if other.namespace != seq.namespace:
+                continue
+            theirs = other.tokens_array()
+            m = min(len(mine), len(theirs)) - 1
+            diff = np.flatnonzero(mine[:m] != theirs[:m])
+            common = int(diff[0]) if diff.size else m
+            if common - cached >= self.kv.block_size:
+                return True
+        return False
+
+    def _run(self, seq: Sequence, batch: ScheduledBatch, n: int) -> None:
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        batch.seqs.append(seq)
+        batch.q_lens.append(n)
+
+    # -- after the step -------------------------------------------------------------------------
+    def commit(self, seq: Sequence, n: int) -> None:
+        """``n`` more tokens of ``seq`` have KV now; cache its newly completed full blocks."""
+        seq.num_computed += n
+        full = seq.num_computed // self.kv.block_size
+        if self.config.enable_prefix_caching and full > seq.num_cached_blocks:
+            self.kv.cache_prefix(seq.table, seq.keys(full * self.kv.block_size), seq.namespace)
+            seq.num_cached_blocks = full
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished sequence; its full blocks stay cached for later requests."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.table is not None:
+            self.kv.free(seq.table)
+            seq.table = None
+        if seq.swapped is not None:
+            self.kv.drop_swapped(seq.swapped)
+            seq.swapped = None
+        if seq in self.swapped:
+            self.swapped.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    # -- preemption -----------------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        if self._preemption_mode(seq) == "swap":
+            moved = sum(self.kv.pool.refcount[b] == 1 for b in seq.table.blocks)
+            seq.swapped, seq.table = self.kv.swap_out(seq.table), None
+            seq.status = Status.SWAPPED
+            self.swapped.append(seq)
+            self.preemptions.swap += 1
+            self.preemptions.swapped_bytes += moved * self.kv.layout.bytes_per_block
+        else:
+            self.kv.free(seq.table)
+            seq.table, seq.num_computed, seq.num_cached_blocks = None, 0, 0
+            self.add(seq)
+            self.preemptions.recompute += 1
+
+    def _preemption_mode(self, seq: Sequence) -> str:
+        mode = self.config.preemption
+        moved = sum(self.kv.pool.refcount[b] == 1 for b in seq.table.blocks)
+        host = self.kv.host_pool
+        if host is None or host.num_free < moved:
+            return "recompute"
+        if mode != "auto":
+            return mode
+        swap = SWAP_LATENCY + 2 * moved * self.kv.layout.bytes_per_block / self.bandwidth
+        recompute = moved * self.kv.block_size * 2 * self.num_parameters / self.flops
+        return "swap" if swap < recompute else "recompute"

@@ -1,0 +1,86 @@
+"""Paged torch attention against dense attention over contiguous K/V (float64 reference)."""
+
+import pytest
+import torch
+
+from mmkv.attention.metadata import plan_batch
+from mmkv.attention.torch_backend import attention, write_kv
+
+BS, HQ, HKV, D = 4, 4, 2, 8
+
+
+def dense_reference(q, k, v, kv_len, scale, window=None):
+    """q [n, HQ, D] are the last n positions of a kv_len-token sequence."""
+    n = q.shape[0]
+    k = k.double().repeat_interleave(HQ // HKV, dim=1)
+    v = v.double().repeat_interleave(HQ // HKV, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(kv_len - n, kv_len)[:, None]
+    k_pos = torch.arange(kv_len)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
+
+
+def build(seqs, num_pages=64, seed=0):
+    """seqs: list of (kv_len, q_len, shared_with_index_or_None, shared_tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    layer = torch.zeros(num_pages, 2, BS, HKV, D)
+    free = list(range(num_pages))
+    tables, kvs = [], []
+    for kv_len, q_len, parent, shared in seqs:
+        k = torch.randn(kv_len, HKV, D, generator=g)
+        v = torch.randn(kv_len, HKV, D, generator=g)
+        table = []
+        if parent is not None:
+            table = tables[parent][: shared // BS]
+            k[:shared], v[:shared] = kvs[parent][0][:shared], kvs[parent][1][:shared]
+        while len(table) * BS < kv_len:
+            table.append(free.pop(0))
+        tables.append(table)
+        kvs.append((k, v))
+    return layer, tables, kvs, g
+
+
+# The runner plans cascade only when no sliding window cuts into a sequence.
+@pytest.mark.parametrize("cascade, window", [(True, None), (False, None), (False, 5)])
+def test_mixed_batch_matches_dense(cascade, window):
+    seqs = [(13, 13, None, 0),  # plain prefill
+            (18, 1, None, 0),  # decode, parent of a group
+            (21, 1, 1, 16),  # decode sharing 4 full pages with seq 1
+            (17, 1, 1, 16),  # decode sharing 4 pages; its last page is new
+            (22, 6, 1, 12),  # prefill chunk over a shared prefix
+            (9, 1, None, 0)]  # decode alone
+    layer, tables, kvs, g = build(seqs)
+    q_lens = [q for _, q, _, _ in seqs]
+    kv_lens = [n for n, _, _, _ in seqs]
+    batch = plan_batch(tables, q_lens, kv_lens, BS, torch.device("cpu"), cascade=cascade)
+    assert (len(batch.decode.groups) == 1) == cascade
+    # Old tokens already sit in the pages; new ones arrive through write_kv like in a forward step.
+    for table, (n, q, _, _), (k, v) in zip(tables, seqs, kvs):
+        for pos in range(n - q):
+            layer[table[pos // BS], 0, pos % BS] = k[pos]
+            layer[table[pos // BS], 1, pos % BS] = v[pos]
+    new_k = torch.cat([k[n - q:] for (n, q, _, _), (k, _) in zip(seqs, kvs)])
+    new_v = torch.cat([v[n - q:] for (n, q, _, _), (_, v) in zip(seqs, kvs)])
+    write_kv(layer, batch, new_k, new_v)
+    query = torch.randn(sum(q_lens), HQ, D, generator=g)
+    out = attention(query, layer, batch, scale=D ** -0.5, sliding_window=window)
+    start = 0
+    for (n, q, _, _), (k, v) in zip(seqs, kvs):
+        want = dense_reference(query[start:start + q], k, v, n, D ** -0.5, window)
+        torch.testing.assert_close(out[start:start + q], want, atol=1e-5, rtol=1e-5)
+        start += q
+
+
+def test_metadata_is_flashinfer_format():
+    batch = plan_batch([[7, 3, 9], [7, 3, 5, 6]], [2, 1], [10, 13], BS, torch.device("cpu"))
+    assert batch.qo_indptr.tolist() == [0, 2, 3] and batch.qo_indptr.dtype == torch.int32
+    assert batch.kv_indptr.tolist() == [0, 3, 7]
+    assert batch.kv_indices.tolist() == [7, 3, 9, 7, 3, 5, 6]
+    assert batch.kv_last_page_len.tolist() == [2, 1]
+    assert batch.positions.tolist() == [8, 9, 12]
+    assert batch.write_blocks.tolist() == [9, 9, 6] and batch.write_offsets.tolist() == [0, 1, 0]
+    assert batch.prefill == [0] and batch.decode.rows.tolist() == [2]

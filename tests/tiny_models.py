@@ -1,0 +1,53 @@
+"""Tiny random checkpoints in Hugging Face layout, built locally with a fixed seed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
+                          PreTrainedTokenizerFast)
+from transformers.utils import logging as hf_logging
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+              initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+FAMILIES = {
+    "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False),
+    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=24, tie_word_embeddings=False),
+    "llama_rope_scaled": lambda: LlamaConfig(
+        **COMMON, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+}
+
+
+def build_model(family: str, directory: Path, seed: int = 0, **overrides) -> Path:
+    """Save a seeded random model of ``family`` into ``directory``; returns the directory."""
+    hf_logging.disable_progress_bar()
+    config = FAMILIES[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
+    return directory
+
+
+def save_byte_tokenizer(directory: Path) -> None:
+    """A byte-level tokenizer (ids 0..255 are bytes) so string prompts work on tiny models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"<{i}>": i for i in range(256)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.save_pretrained(directory)
+
+
+def hf_greedy(directory: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: transformers' generate, greedy, fp32."""
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         min_new_tokens=max_new_tokens)
+    return out[0, len(prompt):].tolist()
