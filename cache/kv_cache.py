@@ -139,8 +139,11 @@ class KVCache:
         table = BlockTable(list(match.blocks), match.num_tokens)
         if match.partial_tokens:
             self.tree.lock([match.partial_block])  # so allocating cannot evict it
-            if self.num_available() >= 1:
+            try:
                 [fresh] = self.allocate(1)
+            except OutOfBlocksError:  # no room: those slots are computed instead
+                fresh = None
+            if fresh is not None:
                 self.storage.copy_blocks([match.partial_block], [fresh],
                                          num_tokens=match.partial_tokens)
                 table.blocks.append(fresh)

@@ -10,6 +10,8 @@ Invariants kept (``check_integrity`` proves them):
 * every cached block sits in exactly one node, and the pool marks exactly those blocks cached;
 * ``node.busy`` is the number of the node's blocks with refcount > 0;
 * the evictable set is exactly the leaves whose blocks are all unreferenced;
+* a node's blocks are all referenced or all unreferenced, and a referenced node's parent is
+  referenced: every unreferenced cached block can be evicted (leaves first);
 * the tree is prefix-closed: eviction only takes blocks from the tail of an evictable leaf.
 
 References are the pool's refcounts: whoever uses matched blocks ``lock``s them (one reference each)
@@ -128,7 +130,7 @@ class RadixTree:
         node, blocks = self._walk(root, bkeys, hit=True)
         start = len(blocks) * self.block_size
         tail = np.ascontiguousarray(keys[start:start + self.block_size]).tobytes()
-        partial_block, partial_tokens = self._best_partial(node, tail) if tail else (None, 0)
+        partial_block, partial_tokens = self._partial(node, tail) if tail else (None, 0)
         matched = start + partial_tokens
         self.metrics.hits += matched > 0
         self.metrics.misses += matched == 0
@@ -236,14 +238,21 @@ class RadixTree:
                 return child
         return None
 
-    def _best_partial(self, node: Node, tail: bytes) -> tuple[int | None, int]:
-        """The cached block right after ``node`` that shares the most leading rows with ``tail``."""
+    def _partial(self, node: Node, tail: bytes) -> tuple[int | None, int]:
+        """The cached block right after ``node`` that shares the most leading rows with ``tail``.
+
+        Its node is cut right after it, so a caller that locks the block while copying from it
+        leaves the rest of that edge evictable."""
         best, best_rows = None, 0
         for child in node.child_nodes():
             rows = common_rows(tail, child.keys[0])
             if rows > best_rows:
-                best, best_rows = child.blocks[0], rows
-        return best, best_rows
+                best, best_rows = child, rows
+        if best is None:
+            return None, 0
+        if len(best.blocks) > 1:
+            best = self._split(best, 1)
+        return best.blocks[0], best_rows
 
     def _touch(self, node: Node, hit: bool) -> None:
         node.last_access = self._clock
@@ -340,6 +349,11 @@ class RadixTree:
                 h = self._hash(h, k)
                 assert h == bh, f"block {b} has a stale hash"
             assert node.busy == sum(ref[b] > 0 for b in node.blocks), "node.busy is stale"
+            # Referenced blocks form root paths cut at node boundaries, so every unreferenced
+            # cached block can be evicted: the pool's evictable count is what eviction can free.
+            assert node.busy in (0, len(node.blocks)), "a node is partly referenced"
+            assert node.busy == 0 or node.parent is None or node.parent.parent is None \
+                or node.parent.busy, "a referenced node has an unreferenced parent"
             for child in node.child_nodes():
                 assert child.parent is node and child.seed == node.last_hash
             should = node.parent is not None and node.busy == 0 and bool(node.blocks) and not node.children

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from cache.block_pool import BlockPool
 from cache.radix_tree import RadixTree
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True)
@@ -23,3 +28,33 @@ def check_block_accounting(monkeypatch: pytest.MonkeyPatch):
     yield built
     for obj in built:
         obj.check_integrity()
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, "Path"]:
+    """One tiny random checkpoint per supported family (built once per test session)."""
+    from tiny_models import FAMILIES, build_model, save_byte_tokenizer
+
+    root = tmp_path_factory.mktemp("models")
+    dirs = {name: build_model(name, root / name) for name in FAMILIES}
+    save_byte_tokenizer(dirs["llama"])
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(model_dirs):
+    """Greedy continuation by transformers' generate (fp32), memoised."""
+    from tiny_models import hf_greedy, load_hf
+
+    models: dict[str, object] = {}
+    memo: dict[tuple, list[int]] = {}
+
+    def oracle(family: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = (family, tuple(prompt), max_new_tokens)
+        if key not in memo:
+            if family not in models:
+                models[family] = load_hf(model_dirs[family])
+            memo[key] = hf_greedy(models[family], prompt, max_new_tokens)
+        return memo[key]
+
+    return oracle

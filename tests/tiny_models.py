@@ -35,19 +35,22 @@ def build_model(family: str, directory: Path, seed: int = 0, **overrides) -> Pat
 
 
 def save_byte_tokenizer(directory: Path) -> None:
-    """A byte-level tokenizer (ids 0..255 are bytes) so string prompts work on tiny models."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A character-level tokenizer (id = code point, 0..255) so string prompts work on tiny models."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {f"<{i}>": i for i in range(256)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    fast.save_pretrained(directory)
+    vocab = {chr(i): i for i in range(256)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=chr(0)))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
 
 
-def hf_greedy(directory: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """The oracle: transformers' generate, greedy, fp32."""
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+def load_hf(directory: Path):
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: transformers' generate, greedy, fp32, never stopping early."""
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                          min_new_tokens=max_new_tokens)
     return out[0, len(prompt):].tolist()

@@ -1,0 +1,124 @@
+"""Greedy output of the engine against transformers' generate on the same weights (fp32)."""
+
+import random
+
+import pytest
+import torch
+
+from mmkv import Engine, SamplingParams
+from tiny_models import FAMILIES, load_hf
+
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # layers x (K, V) x block_size x kv heads x head_dim x fp32
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in lengths]
+
+
+def engine(model_dirs, family="llama", blocks=512, **kw) -> Engine:
+    kw.setdefault("host_kv_memory", blocks * BLOCK_BYTES)
+    kw.setdefault("debug", True)
+    return Engine(model_dirs[family], kv_cache_memory=blocks * BLOCK_BYTES, block_size=4,
+                  device="cpu", **kw)
+
+
+def assert_matches_oracle(outs, batch, family, hf_oracle, max_tokens=16):
+    for prompt, out in zip(batch, outs):
+        assert out.token_ids == hf_oracle(family, prompt, max_tokens), f"prompt of {len(prompt)}"
+        assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_single_and_mixed_batch(model_dirs, hf_oracle, family):
+    eng = engine(model_dirs, family)
+    batch = prompts(1, [1, 7, 19, 33, 48])
+    assert_matches_oracle(eng.generate(batch[:1], GREEDY), batch[:1], family, hf_oracle)
+    assert_matches_oracle(eng.generate(batch, GREEDY), batch, family, hf_oracle)
+    assert eng.stats()["blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_shared_prefix_is_served_from_cache(model_dirs, hf_oracle, family):
+    eng = engine(model_dirs, family)
+    [doc] = prompts(2, [30])
+    questions = prompts(3, [5, 6, 7])
+    first = eng.generate([doc + questions[0]], GREEDY)[0]
+    assert first.cached_tokens == 0
+    later = eng.generate([doc + q for q in questions[1:]], GREEDY)
+    assert [o.cached_tokens for o in later] == [30, 30]  # 28 in full blocks + 2 copied slots
+    assert eng.stats()["cached_prompt_tokens"] == 60
+    assert_matches_oracle([first, *later], [doc + q for q in questions], family, hf_oracle)
+
+
+def test_prompts_submitted_together_compute_their_shared_prefix_once(model_dirs, hf_oracle):
+    eng = engine(model_dirs)
+    [doc] = prompts(4, [41])
+    questions = prompts(5, [6] * 5)
+    batch = [doc + q for q in questions]
+    outs = eng.generate(batch, GREEDY)
+    assert_matches_oracle(outs, batch, "llama", hf_oracle)
+    assert eng.stats()["computed_prefill_tokens"] == 41 + 5 * 6
+
+
+@pytest.mark.parametrize("budget", [3, 8])
+def test_chunked_prefill(model_dirs, hf_oracle, budget):
+    eng = engine(model_dirs, max_num_batched_tokens=budget)
+    batch = prompts(6, [29, 13, 2])
+    assert_matches_oracle(eng.generate(batch, GREEDY), batch, "llama", hf_oracle)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_under_a_tiny_pool(model_dirs, hf_oracle, mode):
+    eng = engine(model_dirs, "qwen2", blocks=24, preemption=mode)
+    batch = prompts(7, [20, 18, 22, 16, 19])  # 5 x ~9 blocks needed, 24 available
+    outs = eng.generate(batch, GREEDY)
+    assert_matches_oracle(outs, batch, "qwen2", hf_oracle)
+    stats = eng.stats()
+    assert stats[f"preemptions_{mode}"] > 0
+    other = "recompute" if mode == "swap" else "swap"
+    assert stats[f"preemptions_{other}"] == 0
+    assert (stats["swapped_bytes"] > 0) == (mode == "swap")
+    assert stats["blocks_in_use"] == 0
+
+
+def test_auto_preemption_and_priorities(model_dirs, hf_oracle):
+    eng = engine(model_dirs, "mistral", blocks=24)
+    batch = prompts(8, [20, 18, 22, 16, 19])
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, priority=p) for p in (1, 0, 1, 0, 2)]
+    outs = eng.generate(batch, params)
+    assert_matches_oracle(outs, batch, "mistral", hf_oracle)
+    stats = eng.stats()
+    assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0
+
+
+def test_n_samples_share_the_prompt_with_copy_on_write(model_dirs, hf_oracle):
+    eng = engine(model_dirs)
+    [prompt] = prompts(9, [10])  # ends inside a block: the partial block is shared, then copied
+    out = eng.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, n=3))[0]
+    want = hf_oracle("llama", prompt, 16)
+    assert [o.token_ids for o in out.outputs] == [want] * 3
+    assert eng.stats()["cow_copies"] >= 2 and eng.stats()["blocks_in_use"] == 0
+
+
+def test_logits_agree_with_transformers_within_1e_4(model_dirs):
+    """The engine's logits for every generated position equal transformers' full forward."""
+    eng = engine(model_dirs, max_num_batched_tokens=5)  # chunked, through the cache
+    [prompt] = prompts(10, [23])
+    captured = []
+    forward = eng.runner.forward
+
+    def spy(input_ids, batch, kv_layers, rows):
+        logits = forward(input_ids, batch, kv_layers, rows)
+        if len(rows):
+            captured.append(logits[0].clone())
+        return logits
+
+    eng.runner.forward = spy
+    out = eng.generate([prompt], GREEDY)[0]
+    model = load_hf(model_dirs["llama"])
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + out.token_ids])).logits[0]
+    want = full[len(prompt) - 1: len(prompt) - 1 + 16]
+    torch.testing.assert_close(torch.stack(captured), want, atol=1e-4, rtol=0)
