@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 demo: $(STAMP)
-	$(PY) examples/cache_demo.py
+	$(PY) examples/summarize_docs.py
 
 bench: $(STAMP)
 	$(PY) -m mmkv.bench cache --json

@@ -152,10 +152,9 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            table = self._acquire(seq)
-            if self._should_wait_for(seq, table.num_tokens, prefilling):
-                self.kv.free(table)
+            if self._should_wait_for(seq, prefilling):
                 continue
+            table = self._acquire(seq)
             cached = table.num_tokens
             n = min(len(seq.token_ids) - cached, budget)
             try:
@@ -181,9 +180,12 @@ class Scheduler:
         # The last token is always computed: its logits choose the next token.
         return self.kv.acquire_prefix(seq.keys(len(seq.token_ids) - 1), seq.namespace)
 
-    def _should_wait_for(self, seq: Sequence, cached: int, prefilling: list[Sequence]) -> bool:
+    def _should_wait_for(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
+        """Whether a sequence still prefilling is computing at least one more full block of
+        ``seq``'s prompt than the cache holds yet (then ``seq`` waits and reuses it next step)."""
         if not self.config.enable_prefix_caching:
             return False
+        bs = self.kv.block_size
         mine = seq.tokens_array()
         for other in prefilling:
             if other.namespace != seq.namespace:
@@ -192,7 +194,7 @@ class Scheduler:
             m = min(len(mine), len(theirs)) - 1
             diff = np.flatnonzero(mine[:m] != theirs[:m])
             common = int(diff[0]) if diff.size else m
-            if common - cached >= self.kv.block_size:
+            if common >= (other.num_computed // bs + 1) * bs:
                 return True
         return False
 

@@ -28,10 +28,9 @@ def write_kv(layer: torch.Tensor, batch: PagedBatch, key: torch.Tensor, value: t
 
 def gather_kv(layer: torch.Tensor, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[length, kv_heads, head_dim]`` of a page list."""
-    blocks = layer[pages]  # [P, 2, bs, H, D]
-    _, _, bs, h, d = blocks.shape
-    k = blocks[:, 0].reshape(-1, h, d)[:length]
-    v = blocks[:, 1].reshape(-1, h, d)[:length]
+    _, _, _, h, d = layer.shape
+    k = layer[:, 0][pages].view(-1, h, d)[:length]
+    v = layer[:, 1][pages].view(-1, h, d)[:length]
     return k, v
 
 
@@ -63,6 +62,10 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int,
                  window: int | None) -> torch.Tensor:
     n = q.shape[0]
     kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, H, L, D]
+    if n == kv_len and window is None and n <= QUERY_CHUNK:  # plain causal: SDPA's fast path
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kt, vt, is_causal=True,
+                                           scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
     out = torch.empty_like(q)
     for s in range(0, n, QUERY_CHUNK):
         e = min(s + QUERY_CHUNK, n)
@@ -107,9 +110,8 @@ def _decode(q: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale: floa
     if plan.groups and not use_cascade:
         raise ValueError("cascade plans need a window covering every sequence; plan without cascade")
     # Each sequence's own pages, padded to the longest.
-    blocks = layer[plan.pages]  # [d, P, 2, bs, Hkv, D]
-    k = blocks[:, :, 0].reshape(d, -1, hkv, dim).transpose(1, 2)  # [d, Hkv, L, D]
-    v = blocks[:, :, 1].reshape(d, -1, hkv, dim).transpose(1, 2)
+    k = layer[:, 0][plan.pages].view(d, -1, hkv, dim).transpose(1, 2)  # [d, Hkv, L, D]
+    v = layer[:, 1][plan.pages].view(d, -1, hkv, dim).transpose(1, 2)
     offset = plan.positions - plan.lens + 1  # absolute position of the first suffix token
     kv_pos = offset[:, None] + torch.arange(k.shape[2], device=q.device)[None, :]
     allowed = torch.arange(k.shape[2], device=q.device)[None, :] < plan.lens[:, None]

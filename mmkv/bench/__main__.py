@@ -6,9 +6,9 @@ import argparse
 import json
 import sys
 
-from mmkv.bench import cache_bench
+from mmkv.bench import cache_bench, prefix_bench
 
-BENCHMARKS = {"cache": cache_bench}
+BENCHMARKS = {"cache": cache_bench, "prefix": prefix_bench}
 
 
 def main(argv: list[str] | None = None) -> None:
