@@ -63,6 +63,14 @@ def test_string_prompts_stop_strings_and_stop_tokens(model_dirs, hf_oracle):
     assert stopped.text == eng.tokenizer.decode(want)[: eng.tokenizer.decode(want).find(stop_str)]
 
 
+def test_chat_template_flag(model_dirs, hf_oracle):
+    eng = engine(model_dirs)
+    eng.tokenizer.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}>"
+    out = eng.generate("hi", GREEDY, chat=True)[0]
+    assert out.prompt_token_ids == list(b"[hi]>")
+    assert out.token_ids == hf_oracle("llama", list(b"[hi]>"), 16)
+
+
 def test_eos_ends_a_request_unless_ignored(model_dirs, hf_oracle):
     [prompt] = prompts(15, [7])
     want = hf_oracle("llama", prompt, 16)

@@ -62,19 +62,21 @@ def test_prompts_submitted_together_compute_their_shared_prefix_once(model_dirs,
     assert eng.stats()["computed_prefill_tokens"] == 41 + 5 * 6
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("budget", [3, 8])
-def test_chunked_prefill(model_dirs, hf_oracle, budget):
-    eng = engine(model_dirs, max_num_batched_tokens=budget)
+def test_chunked_prefill(model_dirs, hf_oracle, budget, family):
+    eng = engine(model_dirs, family, max_num_batched_tokens=budget)
     batch = prompts(6, [29, 13, 2])
-    assert_matches_oracle(eng.generate(batch, GREEDY), batch, "llama", hf_oracle)
+    assert_matches_oracle(eng.generate(batch, GREEDY), batch, family, hf_oracle)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_under_a_tiny_pool(model_dirs, hf_oracle, mode):
-    eng = engine(model_dirs, "qwen2", blocks=24, preemption=mode)
+def test_preemption_under_a_tiny_pool(model_dirs, hf_oracle, mode, family):
+    eng = engine(model_dirs, family, blocks=24, preemption=mode)
     batch = prompts(7, [20, 18, 22, 16, 19])  # 5 x ~9 blocks needed, 24 available
     outs = eng.generate(batch, GREEDY)
-    assert_matches_oracle(outs, batch, "qwen2", hf_oracle)
+    assert_matches_oracle(outs, batch, family, hf_oracle)
     stats = eng.stats()
     assert stats[f"preemptions_{mode}"] > 0
     other = "recompute" if mode == "swap" else "swap"
@@ -93,11 +95,12 @@ def test_auto_preemption_and_priorities(model_dirs, hf_oracle):
     assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0
 
 
-def test_n_samples_share_the_prompt_with_copy_on_write(model_dirs, hf_oracle):
-    eng = engine(model_dirs)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_n_samples_share_the_prompt_with_copy_on_write(model_dirs, hf_oracle, family):
+    eng = engine(model_dirs, family)
     [prompt] = prompts(9, [10])  # ends inside a block: the partial block is shared, then copied
     out = eng.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, n=3))[0]
-    want = hf_oracle("llama", prompt, 16)
+    want = hf_oracle(family, prompt, 16)
     assert [o.token_ids for o in out.outputs] == [want] * 3
     assert eng.stats()["cow_copies"] >= 2 and eng.stats()["blocks_in_use"] == 0
 
