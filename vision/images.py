@@ -1,0 +1,72 @@
+"""Decoding and checking input images: PIL images, file paths or encoded bytes.
+
+Every image becomes an RGB ``PIL.Image`` with its EXIF orientation applied (transparent pixels
+are composited over white). Anything that cannot be turned into one raises ``ImageError`` naming the
+item and the reason, before any model work starts.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Union
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+ImageInput = Union[Image.Image, str, Path, bytes, bytearray]
+
+DEFAULT_MAX_PIXELS = 40_000_000
+CONVERTIBLE_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr",
+                     "LAB", "HSV", "La"}
+
+
+class ImageError(ValueError):
+    """An input image that cannot be used; the message names the item and why."""
+
+    def __init__(self, item: str, reason: str) -> None:
+        super().__init__(f"{item}: {reason}")
+        self.item = item
+        self.reason = reason
+
+
+def load_image(item: ImageInput, name: str = "image", max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """The canonical RGB picture of ``item`` (see the module docstring); errors say ``name``."""
+    image = _open(item, name)
+    width, height = image.size
+    if width == 0 or height == 0:
+        raise ImageError(name, f"has zero size ({width}x{height})")
+    if width * height > max_pixels:  # checked on the header, before decoding any pixel
+        raise ImageError(name, f"has {width * height} pixels, over the limit of {max_pixels}")
+    if image.mode not in CONVERTIBLE_MODES:
+        raise ImageError(name, f"has unsupported mode {image.mode!r}; "
+                                f"supported: {', '.join(sorted(CONVERTIBLE_MODES))}")
+    try:
+        image.load()
+        image = ImageOps.exif_transpose(image)
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise ImageError(name, f"cannot be decoded: {err}") from err
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _open(item: ImageInput, name: str) -> Image.Image:
+    if isinstance(item, Image.Image):
+        return item
+    if isinstance(item, (bytes, bytearray)):
+        if not item:
+            raise ImageError(name, "is empty (0 bytes)")
+        source = io.BytesIO(bytes(item))
+    elif isinstance(item, (str, Path)):
+        path = Path(item)
+        if not path.is_file():
+            raise ImageError(name, f"file {str(item)!r} does not exist")
+        source = path
+    else:
+        raise ImageError(name, f"must be a PIL image, a path or bytes, got {type(item).__name__}")
+    try:
+        return Image.open(source)
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
+        raise ImageError(name, f"cannot be decoded: {err}") from err

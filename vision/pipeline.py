@@ -1,0 +1,66 @@
+"""From user images to confirmed identities and cached embeddings, for one model's encoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+from vision.embedding_cache import EmbeddingCache
+from vision.encoders import Inputs, VisionEncoder
+from vision.image_keys import ImageRegistry
+from vision.images import DEFAULT_MAX_PIXELS, ImageError, ImageInput, load_image
+
+
+@dataclass(slots=True)
+class PreparedImage:
+    """A checked, preprocessed image with its confirmed ``uid`` and content ``key``."""
+
+    uid: int
+    key: bytes
+    inputs: Inputs
+
+
+class VisionPipeline:
+    """Guarantees: the encoder runs at most once per distinct image while its embedding is cached;
+    the same picture (whatever its file format) gets the same uid, a different one never does."""
+
+    def __init__(self, encoder: VisionEncoder, registry: ImageRegistry | None = None,
+                 cache: EmbeddingCache | None = None, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+        self.encoder = encoder
+        self.registry = registry if registry is not None else ImageRegistry()
+        self.cache = cache if cache is not None else EmbeddingCache()
+        self.max_pixels = max_pixels
+
+    def prepare(self, items: Sequence[ImageInput], errors: Literal["raise", "return"] = "raise",
+                label: str = "image") -> list[PreparedImage | ImageError]:
+        """Decode, check and preprocess every item before anything else happens.
+
+        With ``errors="raise"`` the first bad item raises ``ImageError``; with ``"return"`` it takes
+        that item's place in the result. Errors name the item as ``"{label} {i}"``."""
+        out: list[PreparedImage | ImageError] = []
+        for i, item in enumerate(items):
+            try:
+                image = load_image(item, f"{label} {i}", self.max_pixels)
+                inputs = self.encoder.preprocess(image)
+            except ImageError as err:
+                if errors == "raise":
+                    raise
+                out.append(err)
+                continue
+            uid, key = self.registry.identify(inputs, self.encoder.identity)
+            out.append(PreparedImage(uid, key, inputs))
+        return out
+
+    def embeddings(self, image: PreparedImage) -> torch.Tensor:
+        """The encoder output for ``image``, from the cache when possible."""
+        cached = self.cache.get(image.uid)
+        if cached is None:
+            cached = self.encoder.encode(image.inputs)
+            self.cache.put(image.uid, cached)
+        return cached
+
+    def stats(self) -> dict[str, int]:
+        return {"encoder_calls": self.encoder.calls, "embedding_cache_hits": self.cache.hits,
+                "embedding_cache_misses": self.cache.misses, "distinct_images": len(self.registry)}
