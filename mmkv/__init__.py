@@ -1,7 +1,7 @@
 """mmkv: LLM/VLM inference over a refcounted, copy-on-write radix tree of KV blocks."""
 
 from mmkv.engine import Engine
-from mmkv.model_runner import ModelLoadError
+from mmkv.models import ModelLoadError
 from mmkv.outputs import CompletionOutput, RequestOutput
 from mmkv.sampling_params import SamplingParams
 

@@ -4,23 +4,37 @@ from __future__ import annotations
 
 import itertools
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence as Seq
+from typing import Any, Iterator, Literal, Sequence as Seq
 
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from cache import KVCache
-from mmkv.attention.metadata import plan_batch
-from mmkv.model_runner import ModelRunner, resolve_device
+from mmkv.attention.metadata import CrossSequence, plan_batch, plan_cross
+from mmkv.image_kv import CrossAttentionKV
+from mmkv.models import StepContext, load_model, resolve_device
 from mmkv.outputs import CompletionOutput, RequestOutput
 from mmkv.sampler import sample
 from mmkv.sampling_params import SamplingParams
 from mmkv.scheduler import Scheduler, SchedulerConfig
-from mmkv.sequence import Sequence, Status
+from mmkv.sequence import SeqImage, Sequence, Status
+from vision import ImageInput
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]
+IMAGE_PLACEHOLDER = "<image>"
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A request checked and tokenized, images identified, before it is queued."""
+
+    token_ids: list[int]
+    images: list[SeqImage]
+    params: SamplingParams
+    namespace: bytes
 
 
 class Engine:
@@ -38,17 +52,19 @@ class Engine:
                  enable_prefix_caching: bool = True, eviction_policy: str = "lru",
                  preemption: str = "auto", cascade: bool = True, debug: bool = False) -> None:
         self.device = resolve_device(device)
-        self.runner = ModelRunner(model, self.device, dtype)
-        layout = self.runner.kv_layout(block_size)
+        self.model = load_model(model, self.device, dtype)
+        layout = self.model.kv_layout(block_size)
         self.kv = KVCache.from_memory(layout, kv_cache_memory, host_kv_memory, self.device,
                                       eviction_policy)
         self.scheduler = Scheduler(
             self.kv, SchedulerConfig(max_num_batched_tokens, max_num_seqs, preemption,
                                      enable_prefix_caching),
-            self.runner.num_parameters, self.device.type)
-        self.max_model_len = min(max_model_len or self.runner.max_model_len, self.runner.max_model_len)
+            self.model.num_parameters, self.device.type)
+        self.image_kv = CrossAttentionKV(self.kv, self.model) if self.model.cross_layers else None
+        self.scheduler.image_kv = self.image_kv
+        self.max_model_len = min(max_model_len or self.model.max_model_len, self.model.max_model_len)
         self.tokenizer = _load_tokenizer(Path(model))
-        self.eos_token_ids = _eos_ids(Path(model), self.runner.config, self.tokenizer)
+        self.eos_token_ids = _eos_ids(Path(model), self.model.text_config, self.tokenizer)
         self.cascade = cascade
         self.debug = debug
         self._requests: dict[int, list[Sequence]] = {}
@@ -60,26 +76,52 @@ class Engine:
     # -- submission -----------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     cache_salt: str | None = None, chat: bool = False) -> int:
-        """Queue one request; returns its id. Raises ``ValueError`` for input it cannot serve."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        token_ids = self._tokenize(prompt, chat)
-        self._check_fits(token_ids, params)
+        """Queue one request; returns its id. Raises ``ValueError`` for input it cannot serve
+        (``vision.ImageError`` for a bad image), leaving everything else untouched."""
+        return self._queue(self._prepare(prompt, params, cache_salt, chat, "request"))
+
+    def _queue(self, req: _Prepared) -> int:
         request_id = next(self._ids)
-        generator = (torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
-        seq = Sequence(seq_id=request_id, request_id=request_id, index=0, token_ids=token_ids,
-                       prompt_len=len(token_ids), params=params, arrival=next(self._arrivals),
-                       namespace=(cache_salt or "").encode(), generator=generator)
+        params = req.params
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        seq = Sequence(seq_id=request_id, request_id=request_id, index=0, token_ids=req.token_ids,
+                       prompt_len=len(req.token_ids), params=params, arrival=next(self._arrivals),
+                       namespace=req.namespace, generator=generator, images=req.images)
         self._requests[request_id] = [seq]
-        self._counters["prompt_tokens"] += len(token_ids)
+        self._counters["prompt_tokens"] += len(req.token_ids)
         self.scheduler.add(seq)
         return request_id
 
-    def _tokenize(self, prompt: Prompt, chat: bool) -> list[int]:
+    def _prepare(self, prompt: Prompt, params: SamplingParams | None, cache_salt: str | None,
+                 chat: bool, label: str) -> _Prepared:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"{label}: params must be a SamplingParams, got {type(params).__name__}")
+        images: list[ImageInput] = []
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "images"}
+            if unknown or "prompt" not in prompt:
+                raise ValueError(f"{label}: a dict prompt has keys 'prompt' and optionally "
+                                 f"'images', got {sorted(prompt)}")
+            images = list(prompt.get("images") or [])
+            prompt = prompt["prompt"]
+        token_ids = self._tokenize(prompt, chat, label)
+        seq_images: list[SeqImage] = []
+        if images or (self.model.image_token_id is not None and self.model.image_token_id in token_ids):
+            token_ids, seq_images = self._place_images(token_ids, images, label)
+        self._check_fits(token_ids, params, label)
+        namespace = (cache_salt or "").encode()
+        if self.model.cross_layers and seq_images:  # text KV depends on the images attended
+            namespace += b"|images:" + ",".join(str(i.image.uid) for i in seq_images).encode()
+        return _Prepared(token_ids, seq_images, params, namespace)
+
+    def _tokenize(self, prompt: str | list[int], chat: bool, label: str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer: pass token id lists")
+                raise ValueError(f"{label}: this model directory has no tokenizer: pass token ids")
+            if self.model.image_token_id is not None:
+                token = self.tokenizer.convert_ids_to_tokens(self.model.image_token_id)
+                prompt = prompt.replace(IMAGE_PLACEHOLDER, token)
             if chat:
                 messages = [{"role": "user", "content": prompt}]
                 ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
@@ -87,27 +129,54 @@ class Engine:
             else:
                 ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            vocab = self.runner.config.vocab_size
+            limit = len(self.model.text_model.embed_tokens.weight)
             for t in prompt:
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limit:
+                    raise ValueError(f"{label}: prompt token ids must be integers in [0, {limit}), got {t!r}")
             ids = list(prompt)
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(f"{label}: prompt must be a string or a list of token ids, "
+                             f"got {type(prompt).__name__}")
         if not ids:
-            raise ValueError("prompt is empty")
+            raise ValueError(f"{label}: prompt is empty")
         return list(ids)
 
-    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _place_images(self, token_ids: list[int], images: list[ImageInput],
+                      label: str) -> tuple[list[int], list[SeqImage]]:
+        """Check, identify and place the images at their placeholders (LLaVA: one placeholder
+        becomes one token per image feature)."""
+        if self.model.vision is None:
+            raise ValueError(f"{label}: this model does not take images")
+        marker = self.model.image_token_id
+        spots = [i for i, t in enumerate(token_ids) if t == marker]
+        if len(spots) != len(images):
+            raise ValueError(f"{label}: prompt has {len(spots)} image placeholders but "
+                             f"{len(images)} images were given")
+        prepared = self.model.vision.prepare(images, label=f"{label} image")
+        out: list[int] = []
+        placed: list[SeqImage] = []
+        previous = 0
+        for spot, image in zip(spots, prepared):
+            out.extend(token_ids[previous:spot])
+            placement = self.model.placement(image)
+            placed.append(SeqImage(image, len(out), placement))
+            out.extend([marker] * placement.prompt_tokens)
+            previous = spot + 1
+        out.extend(token_ids[previous:])
+        _set_visibility(placed, len(out))
+        return out, placed
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams, label: str) -> None:
         n = len(token_ids)
         if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
+            raise ValueError(f"{label}: prompt has {n} tokens; max_model_len is {self.max_model_len} "
                              f"(prompt plus at least one generated token)")
         longest = min(n + params.max_tokens, self.max_model_len)
         need = -(-longest // self.kv.block_size)
         if need > self.kv.pool.num_blocks:
-            raise ValueError(f"request needs {need} KV blocks ({longest} tokens) but the pool holds "
-                             f"{self.kv.pool.num_blocks}; raise kv_cache_memory or lower max_tokens")
+            raise ValueError(f"{label}: request needs {need} KV blocks ({longest} tokens) but the "
+                             f"pool holds {self.kv.pool.num_blocks}; raise kv_cache_memory or "
+                             f"lower max_tokens")
 
     # -- running --------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -124,14 +193,17 @@ class Engine:
         seqs, q_lens = batch.seqs, batch.q_lens
         kv_lens = [s.num_computed + q for s, q in zip(seqs, q_lens)]
         meta = plan_batch([s.table.blocks for s in seqs], q_lens, kv_lens, self.kv.block_size,
-                          self.device, cascade=self.cascade and self.runner.cascade_allowed(max(kv_lens)))
+                          self.device, cascade=self.cascade and self.model.cascade_allowed(max(kv_lens)))
         input_ids = torch.tensor([t for s, q in zip(seqs, q_lens)
                                   for t in s.token_ids[s.num_computed:s.num_computed + q]],
                                  dtype=torch.long, device=self.device)
-        ends = meta.qo_indptr[1:].tolist()
+        starts = meta.qo_indptr[:-1].tolist()
+        step = StepContext(meta, self.model.layer_views(self.kv.storage.layers))
+        self._add_image_inputs(step, seqs, q_lens, starts)
         sampling = [i for i, (s, n) in enumerate(zip(seqs, kv_lens)) if n == len(s.token_ids)]
-        rows = torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long, device=self.device)
-        logits = self.runner.forward(input_ids, meta, self.kv.storage.layers, rows)
+        rows = torch.tensor([starts[i] + q_lens[i] - 1 for i in sampling], dtype=torch.long,
+                            device=self.device)
+        logits = self.model.forward(input_ids, step, rows)
         for s, q in zip(seqs, q_lens):
             phase = "decode_tokens" if q == 1 and s.num_computed >= s.prompt_len else "computed_prefill_tokens"
             self._counters[phase] += q
@@ -143,6 +215,34 @@ class Engine:
         if self.debug:
             self.kv.check_integrity()
         return [self._output(r) for r in touched]
+
+    def _add_image_inputs(self, step: StepContext, seqs: list[Sequence], q_lens: list[int],
+                          starts: list[int]) -> None:
+        """Image embeddings for LLaVA's image tokens, cross-attention metadata for the rest."""
+        rows: list[int] = []
+        embeds: list[torch.Tensor] = []
+        cross: list[CrossSequence] = []
+        for seq, q, start in zip(seqs, q_lens, starts):
+            lo, hi = seq.num_computed, seq.num_computed + q
+            for image in seq.images:
+                if not image.in_sequence:
+                    continue
+                a, b = max(lo, image.start), min(hi, image.start + image.placement.prompt_tokens)
+                if a < b:
+                    rows.extend(range(start + a - lo, start + b - lo))
+                    embeds.append(self.model.vision.embeddings(image.image)[a - image.start:b - image.start])
+            if self.image_kv is not None:
+                cross.append(CrossSequence(
+                    rows=list(range(start, start + q)), positions=list(range(lo, hi)),
+                    prompt_len=seq.prompt_len,
+                    images=[(t.blocks, i.placement.xattn_tokens, i.placement.xattn_valid, i.start,
+                             i.visible_until) for i, t in zip(seq.images, seq.image_tables)]))
+        if rows:
+            step.image_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+            step.image_embeds = torch.cat(embeds).to(self.device)
+        if any(c.images for c in cross):
+            step.cross = plan_cross(cross, step.batch.num_tokens, self.kv.block_size, self.device,
+                                    self.model.dtype)
 
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample the next token of ``seq`` (and fork its siblings on the first token if n > 1)."""
@@ -169,7 +269,8 @@ class Engine:
                              status=Status.RUNNING, table=self.kv.fork(parent.table),
                              num_computed=parent.num_computed,
                              num_cached_blocks=parent.num_cached_blocks, admitted=True,
-                             cached_tokens=parent.cached_tokens)
+                             cached_tokens=parent.cached_tokens, images=parent.images,
+                             image_tables=[self.kv.fork(t) for t in parent.image_tables])
             self.scheduler.running.append(child)
             self._requests[parent.request_id].append(child)
             children.append(child)
@@ -206,13 +307,17 @@ class Engine:
 
     # -- convenience ----------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None, chat: bool = False,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, chat: bool = False, cache_salt: str | None = None,
+                 errors: Literal["raise", "return"] = "raise") -> list[RequestOutput]:
         """Run prompts to completion; results come back in input order.
 
-        Every prompt is validated before any is queued, so a bad one raises without side effects.
+        A prompt is a string, a list of token ids, or ``{"prompt": ..., "images": [...]}`` with one
+        ``<image>`` placeholder per image. Every request is checked before any is queued: with
+        ``errors="raise"`` a bad one raises ``ValueError`` and nothing runs; with ``"return"`` its
+        output carries the error and the others run.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if isinstance(params, (list, tuple)):
@@ -220,22 +325,44 @@ class Engine:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
             plist = list(params)
         else:
-            plist = [params if params is not None else SamplingParams()] * len(prompts)
-        for prompt, p in zip(prompts, plist):  # validate everything first
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
-            self._check_fits(self._tokenize(prompt, chat), p)
-        ids = [self.add_request(prompt, p, cache_salt, chat) for prompt, p in zip(prompts, plist)]
-        wanted = set(ids)
+            plist = [params] * len(prompts)
+        prepared: list[_Prepared | ValueError] = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            try:
+                prepared.append(self._prepare(prompt, p, cache_salt, chat, f"request {i}"))
+            except ValueError as err:
+                if errors == "raise":
+                    raise
+                prepared.append(err)
+        ids = [self._queue(r) if isinstance(r, _Prepared) else None for r in prepared]
+        wanted = {i for i in ids if i is not None}
         results: dict[int, RequestOutput] = {}
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
-        with tqdm(total=len(ids), disable=not show, desc="mmkv") as bar:
+        with tqdm(total=len(wanted), disable=not show, desc="mmkv") as bar:
             while wanted - results.keys():
                 for out in self.step():
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
                         bar.update(1)
-        return [results[i] for i in ids]
+        return [results[i] if i is not None else RequestOutput(-1, [], [], True, 0, error=str(r))
+                for i, r in zip(ids, prepared)]
+
+    def ask(self, images: ImageInput | Seq[ImageInput], questions: Seq[str],
+            params: SamplingParams | None = None, errors: Literal["raise", "return"] = "raise",
+            **options: Any) -> list[RequestOutput] | list[list[RequestOutput]]:
+        """Ask every question about every image in one batched call.
+
+        One image gives a list of outputs (one per question); a list of images gives one such list
+        per image. Questions are put in the model's question template around an ``<image>``.
+        """
+        single = not isinstance(images, (list, tuple))
+        image_list = [images] if single else list(images)
+        template = self.model.question_template
+        prompts = [{"prompt": template.format(question=q), "images": [img]}
+                   for img in image_list for q in questions]
+        outs = self.generate(prompts, params, errors=errors, **options)
+        per_image = [outs[i * len(questions):(i + 1) * len(questions)] for i in range(len(image_list))]
+        return per_image[0] if single else per_image
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                cache_salt: str | None = None, chat: bool = False) -> Iterator[RequestOutput]:
@@ -266,7 +393,24 @@ class Engine:
             "swapped_bytes": pre.swapped_bytes,
             "peak_kv_bytes": self._peak_blocks * self.kv.layout.bytes_per_block,
             "block_size": self.kv.block_size,
+            **(self.model.vision.stats() if self.model.vision is not None else {}),
+            **({"xattn_blocks_computed": self.image_kv.computed_blocks} if self.image_kv else {}),
         }
+
+
+def _set_visibility(images: list[SeqImage], prompt_len: int) -> None:
+    """Mllama's rule: an image is seen from its placeholder up to the next image's placeholder
+    (a run of adjacent placeholders is seen together); the last image to the end."""
+    if len(images) < 2:
+        return
+    ends = [nxt.start for nxt in images[1:]] + [prompt_len]
+    last = ends[-1]
+    for i in range(len(images) - 1, -1, -1):
+        if images[i].start == ends[i] - 1:
+            ends[i] = last
+        last = ends[i]
+    for image, end in zip(images, ends):
+        image.visible_until = end
 
 
 def _load_tokenizer(path: Path):

@@ -25,15 +25,16 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     cached_tokens: int
+    error: str | None = None  # set instead of outputs when the request was rejected
 
     @property
     def text(self) -> str:
-        return self.outputs[0].text
+        return self.outputs[0].text if self.outputs else ""
 
     @property
     def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
+        return self.outputs[0].token_ids if self.outputs else []
 
     @property
     def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
+        return self.outputs[0].finish_reason if self.outputs else None

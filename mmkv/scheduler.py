@@ -88,6 +88,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.preemptions = PreemptionStats()
         self.cached_prompt_tokens = 0
+        self.image_kv = None  # CrossAttentionKV for cross-attention models, set by the engine
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -137,7 +138,10 @@ class Scheduler:
             seq = self.swapped[0]
             n = min(seq.num_pending, budget)
             need = len(seq.swapped.host_slots) + -(-n // self.kv.block_size) + 1
+            if need > self.kv.num_available() or not self._acquire_images(seq):
+                break
             if need > self.kv.num_available():
+                self._release_images(seq)
                 break
             self.swapped.pop(0)
             seq.table, seq.swapped = self.kv.swap_in(seq.swapped), None
@@ -154,6 +158,8 @@ class Scheduler:
                 return
             if self._should_wait_for(seq, prefilling):
                 continue
+            if not self._acquire_images(seq):
+                return
             table = self._acquire(seq)
             cached = table.num_tokens
             n = min(len(seq.token_ids) - cached, budget)
@@ -163,6 +169,7 @@ class Scheduler:
                 self.kv.append_slots(table, n)
             except OutOfBlocksError:
                 self.kv.free(table)
+                self._release_images(seq)
                 return
             self.waiting.remove(seq)
             if not seq.admitted:
@@ -186,13 +193,13 @@ class Scheduler:
         if not self.config.enable_prefix_caching:
             return False
         bs = self.kv.block_size
-        mine = seq.tokens_array()
+        mine = seq.keys()
         for other in prefilling:
             if other.namespace != seq.namespace:
                 continue
-            theirs = other.tokens_array()
+            theirs = other.keys()
             m = min(len(mine), len(theirs)) - 1
-            diff = np.flatnonzero(mine[:m] != theirs[:m])
+            diff = np.flatnonzero((mine[:m] != theirs[:m]).any(axis=1))
             common = int(diff[0]) if diff.size else m
             if common >= (other.num_computed // bs + 1) * bs:
                 return True
@@ -220,7 +227,15 @@ class Scheduler:
         self._release(seq)
         seq.status = Status.FINISHED
 
+    def _acquire_images(self, seq: Sequence) -> bool:
+        return self.image_kv is None or not seq.images or self.image_kv.acquire(seq)
+
+    def _release_images(self, seq: Sequence) -> None:
+        if self.image_kv is not None:
+            self.image_kv.release(seq)
+
     def _release(self, seq: Sequence) -> None:
+        self._release_images(seq)
         if seq.table is not None:
             self.kv.free(seq.table)
             seq.table = None
@@ -234,6 +249,7 @@ class Scheduler:
 
     # -- preemption -----------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
+        self._release_images(seq)  # they stay cached; resuming takes them again
         if self._preemption_mode(seq) == "swap":
             moved = sum(self.kv.pool.refcount[b] == 1 for b in seq.table.blocks)
             seq.swapped, seq.table = self.kv.swap_out(seq.table), None

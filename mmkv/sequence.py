@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cache import BlockTable, SwappedTable, make_keys
+from cache import BlockTable, ImageSpan, SwappedTable, make_keys
+from mmkv.models import ImagePlacement
 from mmkv.sampling_params import SamplingParams
+from vision import PreparedImage
 
 
 class Status(enum.Enum):
@@ -17,6 +19,21 @@ class Status(enum.Enum):
     RUNNING = "running"
     SWAPPED = "swapped"  # KV parked in the host tier
     FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class SeqImage:
+    """An image of a sequence: where its placeholder sits and how the model consumes it."""
+
+    image: PreparedImage
+    start: int  # index of its first token in the sequence
+    placement: ImagePlacement
+    visible_until: int | None = None  # cross-attention: positions from here on no longer see it
+
+    @property
+    def in_sequence(self) -> bool:
+        """Whether its tokens carry the image (LLaVA) rather than just mark it (cross-attention)."""
+        return self.placement.xattn_tokens == 0
 
 
 @dataclass(slots=True, eq=False)
@@ -45,6 +62,8 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     finish_reason: str | None = None
     text: str = ""
+    images: list[SeqImage] = field(default_factory=list)
+    image_tables: list[BlockTable] = field(default_factory=list)  # cross-attention K/V blocks
     _array: np.ndarray = field(default=None, repr=False)
 
     @property
@@ -67,5 +86,9 @@ class Sequence:
         return self._array
 
     def keys(self, n: int | None = None) -> np.ndarray:
-        """Radix-tree keys of the first ``n`` tokens (all by default)."""
-        return make_keys(self.tokens_array()[:n])
+        """Radix-tree keys of the first ``n`` tokens (all by default); image tokens carry the
+        image's uid and their offset in it."""
+        tokens = self.tokens_array()[:n]
+        spans = [ImageSpan(i.start, min(i.placement.prompt_tokens, len(tokens) - i.start), i.image.uid)
+                 for i in self.images if i.in_sequence and i.start < len(tokens)]
+        return make_keys(tokens, spans)

@@ -110,15 +110,15 @@ def test_logits_agree_with_transformers_within_1e_4(model_dirs):
     eng = engine(model_dirs, max_num_batched_tokens=5)  # chunked, through the cache
     [prompt] = prompts(10, [23])
     captured = []
-    forward = eng.runner.forward
+    forward = eng.model.forward
 
-    def spy(input_ids, batch, kv_layers, rows):
-        logits = forward(input_ids, batch, kv_layers, rows)
+    def spy(input_ids, step, rows):
+        logits = forward(input_ids, step, rows)
         if len(rows):
             captured.append(logits[0].clone())
         return logits
 
-    eng.runner.forward = spy
+    eng.model.forward = spy
     out = eng.generate([prompt], GREEDY)[0]
     model = load_hf(model_dirs["llama"])
     with torch.no_grad():

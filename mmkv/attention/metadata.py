@@ -141,3 +141,72 @@ def _plan_decode(ids: list[int], pages: list[list[int]], kv_lens: list[int], qo:
         positions=torch.tensor([kv_lens[i] - 1 for i in ids], dtype=torch.long, device=device),
         groups=groups,
     )
+
+
+@dataclass(slots=True)
+class CrossGroup:
+    """Query tokens of sequences that attend to the same images (so the same pages)."""
+
+    rows: torch.Tensor  # long [n], packed token rows
+    pages: torch.Tensor  # long [p], the images' pages, image after image
+    kv_len: int  # p * block_size (positions past an image's tokens are masked)
+    allowed: torch.Tensor  # bool [n, kv_len]
+
+
+@dataclass(slots=True)
+class CrossBatch:
+    """Cross-attention metadata of one step (non-causal attention over image K/V pages).
+
+    ``row_mask`` is 1 for rows that see at least one image and 0 otherwise; rows of sequences
+    without images get no cross-attention output at all.
+    """
+
+    groups: list[CrossGroup]
+    row_mask: torch.Tensor  # float [T]
+
+
+@dataclass(slots=True)
+class CrossSequence:
+    """One sequence's part of a cross-attention step."""
+
+    rows: list[int]  # packed rows of its new tokens
+    positions: list[int]  # their positions
+    prompt_len: int
+    images: list[tuple[list[int], int, int, int, int | None]]
+    # per image: (pages, tokens, valid tokens, first visible position, end of visibility or None)
+
+
+def plan_cross(seqs: list[CrossSequence], num_tokens: int, block_size: int,
+               device: torch.device, dtype: torch.dtype) -> CrossBatch:
+    """Visibility follows Mllama: image ``i`` is seen from its placeholder up to (not including)
+    ``end``; generated tokens see what the last prompt token sees; a row that sees no image
+    attends to every image token of its sequence and its cross-attention MLP output is masked."""
+    row_mask = torch.zeros(num_tokens, dtype=dtype)
+    by_pages: dict[tuple[int, ...], list[tuple[CrossSequence, torch.Tensor]]] = {}
+    for seq in seqs:
+        if not seq.images:
+            continue
+        pages = [p for img in seq.images for p in img[0]]
+        kv_len = len(pages) * block_size
+        allowed = torch.zeros((len(seq.rows), kv_len), dtype=torch.bool)
+        real = torch.zeros(kv_len, dtype=torch.bool)
+        offset = 0
+        for img_pages, tokens, valid, start, end in seq.images:
+            real[offset:offset + tokens] = True
+            for r, pos in enumerate(seq.positions):
+                p = min(pos, seq.prompt_len - 1)
+                if start <= p and (end is None or p < end):
+                    allowed[r, offset:offset + valid] = True
+            offset += len(img_pages) * block_size
+        sees = allowed.any(dim=1)
+        row_mask[seq.rows] = sees.to(dtype)
+        allowed[~sees] = real
+        by_pages.setdefault(tuple(pages), []).append((seq, allowed))
+    groups = []
+    for pages, members in by_pages.items():
+        groups.append(CrossGroup(
+            rows=torch.tensor([r for seq, _ in members for r in seq.rows], dtype=torch.long, device=device),
+            pages=torch.tensor(pages, dtype=torch.long, device=device),
+            kv_len=len(pages) * block_size,
+            allowed=torch.cat([a for _, a in members]).to(device)))
+    return CrossBatch(groups, row_mask.to(device))

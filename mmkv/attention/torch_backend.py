@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mmkv.attention.metadata import PagedBatch
+from mmkv.attention.metadata import CrossBatch, PagedBatch
 
 QUERY_CHUNK = 2048
 
@@ -128,3 +128,18 @@ def _decode(q: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale: floa
         s_lse = s_lse.view(hkv, m, -1).transpose(0, 1)
         out[group.members] = merge_states(s_out, s_lse, out[group.members], lse[group.members])
     return out.reshape(d, hq, dim)
+
+
+def cross_attention(query: torch.Tensor, layer: torch.Tensor, cross: CrossBatch,
+                    scale: float) -> torch.Tensor:
+    """Non-causal attention of packed queries ``[T, q_heads, head_dim]`` over their images' K/V
+    pages; rows of sequences without images get zeros."""
+    out = torch.zeros_like(query)
+    for group in cross.groups:
+        k, v = gather_kv(layer, group.pages, group.kv_len)
+        q = query[group.rows].transpose(0, 1)[None]  # [1, H, n, D]
+        o = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=group.allowed[None, None], scale=scale,
+                                           enable_gqa=True)
+        out[group.rows] = o[0].transpose(0, 1)
+    return out

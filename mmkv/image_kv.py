@@ -1,0 +1,80 @@
+"""Cross-attention K/V of images, kept in the shared block pool under the image's uid.
+
+An image's K/V for every cross-attention layer fill ``ceil(tokens / block_size)`` blocks, cached in
+the radix tree under a namespace of their own with keys ``(0, uid << 32 | offset)``. A sequence
+holds one reference per block while it runs; when no sequence does, the blocks are evictable by the
+same policy as text. K/V are computed only for blocks the tree does not hold, and inserted right
+after they are written, so requests admitted in the same step share them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cache import BlockTable, ImageSpan, KVCache, make_keys
+from mmkv.models import ModelAdapter
+from mmkv.sequence import SeqImage, Sequence
+
+
+class CrossAttentionKV:
+    """Guarantees: a sequence that ``acquire`` accepted holds, per image, blocks whose K/V are the
+    image's (one copy shared by every holder) until ``release``."""
+
+    def __init__(self, kv: KVCache, model: ModelAdapter) -> None:
+        self.kv = kv
+        self.model = model
+        self.computed_blocks = 0  # blocks whose K/V this engine computed (misses)
+
+    def _keys(self, image: SeqImage) -> np.ndarray:
+        bs = self.kv.block_size
+        padded = -(-image.placement.xattn_tokens // bs) * bs
+        return make_keys(np.zeros(padded, dtype=np.int64), [ImageSpan(0, padded, image.image.uid)])
+
+    @staticmethod
+    def _namespace(seq: Sequence) -> bytes:
+        return b"xattn|" + seq.namespace
+
+    def acquire(self, seq: Sequence) -> bool:
+        """Reference (computing where missing) the K/V of every image of ``seq``; False, holding
+        nothing, when the pool cannot take them now."""
+        tables: list[BlockTable] = []
+        for image in seq.images:
+            keys = self._keys(image)
+            table = self.kv.acquire_prefix(keys, self._namespace(seq))
+            missing = keys.shape[0] - table.num_tokens
+            if missing and self.kv.blocks_needed(table, missing) > self.kv.num_available():
+                for t in (*tables, table):
+                    self.kv.free(t)
+                return False
+            if missing:
+                start = table.num_tokens
+                self.kv.append_slots(table, missing)
+                self._write(image, table, start)
+                self.kv.cache_prefix(table, keys, self._namespace(seq))
+            tables.append(table)
+        seq.image_tables = tables
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        for table in seq.image_tables:
+            self.kv.free(table)
+        seq.image_tables = []
+
+    def _write(self, image: SeqImage, table: BlockTable, start: int) -> None:
+        n = image.placement.xattn_tokens
+        if start >= n:
+            return
+        bs = self.kv.block_size
+        pos = torch.arange(start, n)
+        pages = torch.tensor(table.blocks, dtype=torch.long)
+        blocks, offsets = pages[pos // bs].to(self.kv.storage.device), (pos % bs).to(self.kv.storage.device)
+        layers = self.model.layer_views(self.kv.storage.layers)
+        embeddings = self.model.vision.embeddings(image.image)
+        for idx, (k, v) in zip(self.model.cross_layers, self.model.xattn_kv(embeddings)):
+            layers[idx][blocks, 0, offsets] = k[start:n].to(layers[idx].dtype)
+            layers[idx][blocks, 1, offsets] = v[start:n].to(layers[idx].dtype)
+        self.computed_blocks += len(table.blocks) - start // bs
+
+    def held_blocks(self, seqs: list[Sequence]) -> set[int]:
+        return {b for s in seqs for t in s.image_tables for b in t.blocks}

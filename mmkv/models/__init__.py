@@ -1,0 +1,40 @@
+"""Model families mmkv serves, chosen by ``model_type`` in the directory's config.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from mmkv.models.base import (ATTENTION_NAME, ImagePlacement, ModelAdapter, ModelLoadError,
+                              StepContext, read_config_json, resolve_device)
+from mmkv.models.causal_lm import TEXT_FAMILIES, load_causal_lm
+from mmkv.models.cross_attention import CrossAttentionAdapter, load_mllama
+from mmkv.models.llava import LlavaAdapter, load_llava
+from mmkv.models.mmkv_vlm import MODEL_TYPE as MMKV_VLM, MmkvVLM, load_mmkv_vlm
+
+FAMILIES = (*TEXT_FAMILIES, "llava", "mllama", MMKV_VLM)
+
+
+def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype) -> ModelAdapter:
+    """Load the model in ``path`` (Hugging Face layout) for ``device``; ``ModelLoadError`` when
+    the directory is missing, corrupt or of a family mmkv does not serve."""
+    path = Path(path)
+    raw = read_config_json(path)
+    family = raw["model_type"]
+    hf_logging.disable_progress_bar()
+    if family in TEXT_FAMILIES:
+        return load_causal_lm(path, device, dtype)
+    if family == "llava":
+        return load_llava(path, device, dtype)
+    if family == "mllama":
+        return load_mllama(path, device, dtype)
+    if family == MMKV_VLM:
+        return load_mmkv_vlm(path, raw, device, dtype)
+    raise ModelLoadError(f"model type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
+
+
+__all__ = ["ATTENTION_NAME", "CrossAttentionAdapter", "FAMILIES", "ImagePlacement",
+           "LlavaAdapter", "ModelAdapter", "ModelLoadError", "MmkvVLM", "StepContext",
+           "load_model", "resolve_device"]

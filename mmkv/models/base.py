@@ -1,0 +1,195 @@
+"""What every model family shares: loading checks, the attention hook, the layer loop.
+
+mmkv drives transformers' own modules (embeddings, decoder layers, norms, rotary embedding, LM
+head), so every operation but attention is the checkpoint's reference implementation; attention is
+mmkv's, plugged in through transformers' ``AttentionInterface``. A step runs all scheduled tokens
+of all sequences as one packed row (``[1, total_tokens]``) with explicit positions; the paged
+metadata tells attention where each sequence's KV lives.
+
+KV storage has one *slot* per self-attention layer; cross-attention layers (image K/V) reuse the
+first slots, since a block holds either text K/V or image K/V, never both.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, AutoConfig, PretrainedConfig
+
+from cache import KVLayout
+from mmkv.attention import torch_backend
+from mmkv.attention.metadata import CrossBatch, PagedBatch
+from vision import PreparedImage, VisionPipeline
+
+ATTENTION_NAME = "mmkv_paged"
+
+
+class ModelLoadError(ValueError):
+    """The model directory is missing, incomplete, corrupt or of an unsupported family."""
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What one forward step needs besides token ids (passed down as a keyword argument)."""
+
+    batch: PagedBatch
+    kv_layers: list[torch.Tensor]  # per model layer: its storage slot
+    image_rows: torch.Tensor | None = None  # packed rows whose embedding comes from an image
+    image_embeds: torch.Tensor | None = None
+    cross: CrossBatch | None = None
+
+
+def _paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: torch.Tensor | None,
+                     scaling: float | None = None, sliding_window: int | None = None,
+                     mmkv_step: StepContext | None = None, **_: object):
+    """transformers attention hook: write this step's K/V into the pages, attend over the pages."""
+    if mmkv_step is None:
+        raise RuntimeError("mmkv's paged attention runs only inside an mmkv engine step")
+    layer = mmkv_step.kv_layers[module.layer_idx]
+    q = query[0].transpose(0, 1)  # [T, heads, head_dim]
+    torch_backend.write_kv(layer, mmkv_step.batch, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = torch_backend.attention(q, layer, mmkv_step.batch, scale, sliding_window)
+    return out[None], None
+
+
+AttentionInterface.register(ATTENTION_NAME, _paged_attention)
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The raw config.json of a model directory, or ``ModelLoadError`` saying what is wrong."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist")
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
+    try:
+        raw = json.loads(config_file.read_text())
+    except ValueError as err:
+        raise ModelLoadError(f"{config_file} is not a valid model config: {err}") from err
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise ModelLoadError(f"{config_file} is not a valid model config: no model_type")
+    return raw
+
+
+def load_hf_config(path: str | Path) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(Path(path))
+    except (ValueError, KeyError, TypeError) as err:
+        raise ModelLoadError(f"{Path(path) / 'config.json'} is not a valid model config: {err}") from err
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, stored: Any, device: torch.device) -> torch.dtype:
+    """``auto``: fp32 on CPU, the checkpoint's dtype (``stored``) on GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return getattr(torch, stored) if isinstance(stored, str) else (stored or torch.float32)
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"dtype must be 'auto' or a torch dtype name such as 'float32', got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+@dataclass(slots=True)
+class ImagePlacement:
+    """How a model places an image in a prompt."""
+
+    prompt_tokens: int  # tokens the image occupies in the sequence (LLaVA: its patches; else 1)
+    xattn_tokens: int = 0  # cross-attention K/V positions (0: no cross-attention)
+    xattn_valid: int = 0  # of those, the ones a text token may attend to (Mllama: real tiles)
+
+
+@dataclass
+class ModelAdapter:
+    """One loaded model family: its modules, how its KV is laid out and how a step runs.
+
+    Guarantees: ``forward`` returns the logits transformers would compute for the same tokens at
+    the same positions with the same preceding context (and images).
+    """
+
+    model: torch.nn.Module
+    text_model: torch.nn.Module  # has embed_tokens, layers, norm, rotary_emb
+    lm_head: torch.nn.Module
+    text_config: PretrainedConfig
+    device: torch.device
+    dtype: torch.dtype
+    cross_layers: tuple[int, ...] = ()
+    vision: VisionPipeline | None = None
+    image_token_id: int | None = None
+    question_template: str = "<image>{question}"
+    generation_eos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.model.to(self.device).eval()
+        c = self.text_config
+        self.num_layers = c.num_hidden_layers
+        self.sliding_window: int | None = getattr(c, "sliding_window", None)
+        self.max_model_len: int = c.max_position_embeddings
+        self.vocab_size: int = c.vocab_size
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        self_layers = [i for i in range(self.num_layers) if i not in self.cross_layers]
+        slots = {layer: slot for slot, layer in enumerate(self_layers)}
+        slots.update({layer: j for j, layer in enumerate(self.cross_layers)})
+        self.layer_slots = [slots[i] for i in range(self.num_layers)]
+        self.num_slots = max(len(self_layers), len(self.cross_layers))
+
+    # -- layout ---------------------------------------------------------------------------------
+    def kv_layout(self, block_size: int) -> KVLayout:
+        c = self.text_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return KVLayout(num_layers=self.num_slots, num_kv_heads=c.num_key_value_heads,
+                        head_dim=head_dim, block_size=block_size, dtype=self.dtype)
+
+    def layer_views(self, storage_layers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each model layer's KV tensor."""
+        return [storage_layers[s] for s in self.layer_slots]
+
+    def cascade_allowed(self, max_kv_len: int) -> bool:
+        """Shared-prefix attention is exact only when no sliding window cuts into a sequence."""
+        return self.sliding_window is None or max_kv_len <= self.sliding_window
+
+    # -- images ---------------------------------------------------------------------------------
+    def placement(self, image: PreparedImage) -> ImagePlacement:
+        raise ValueError("this model does not take images")
+
+    def xattn_kv(self, embeddings: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per cross-attention layer, K and V ``[tokens, kv_heads, head_dim]`` of an image."""
+        raise ValueError("this model has no cross-attention")
+
+    # -- the step -------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
+        hidden = self.text_model.embed_tokens(input_ids[None])
+        if step.image_rows is not None:
+            hidden[0, step.image_rows] = step.image_embeds.to(hidden.dtype)
+        return hidden
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, step: StepContext,
+                logit_rows: torch.Tensor) -> torch.Tensor:
+        """Run the packed tokens through the model; float32 logits of the rows in ``logit_rows``."""
+        tm = self.text_model
+        hidden = self.embed(input_ids, step)
+        positions = step.batch.positions[None]
+        rotary = tm.rotary_emb(hidden, position_ids=positions)
+        for i, layer in enumerate(tm.layers):
+            if i in self.cross_layers:  # families with cross layers define run_cross_layer
+                hidden = self.run_cross_layer(layer, hidden, step)
+            else:
+                hidden = layer(hidden, position_embeddings=rotary, position_ids=positions,
+                               mmkv_step=step)
+        hidden = tm.norm(hidden[0, logit_rows])
+        return self.lm_head(hidden).float()

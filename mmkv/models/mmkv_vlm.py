@@ -1,0 +1,99 @@
+"""mmkv's own cross-attention VLM (Flamingo style).
+
+An open_clip vision tower gives patch tokens, a linear projector maps them to the text width, and a
+Llama-family text model with tanh-gated cross-attention layers at ``cross_attention_layers``
+(transformers' Mllama text model) reads them. A model directory holds::
+
+    config.json        {"model_type": "mmkv_vlm", "vision": {...}, "text_config": {...},
+                        "image_token_id": N, "question_template": "<image>{question}"}
+    model.safetensors  vision_tower.*, projector.*, language_model.*
+    tokenizer files    (the image token is a special token of the tokenizer)
+
+``vision`` names an open_clip architecture (``{"open_clip_arch": "ViT-B-32"}``) or gives its
+vision config (``{"open_clip_vision_cfg": {...}, "embed_dim": 64}``); ``image_size`` is the
+input resolution.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import MllamaForCausalLM, MllamaTextConfig
+
+from mmkv.models.base import ModelLoadError, resolve_dtype
+from mmkv.models.cross_attention import CrossAttentionAdapter
+from vision import OpenClipEncoder, VisionPipeline, open_clip_vision_tower
+
+MODEL_TYPE = "mmkv_vlm"
+WEIGHTS = "model.safetensors"
+
+
+class MmkvVLM(torch.nn.Module):
+    """Vision tower + projector + cross-attention language model, built from a config dict."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = config
+        vision = config["vision"]
+        self.vision_tower = open_clip_vision_tower(vision.get("open_clip_arch"),
+                                                   vision.get("open_clip_vision_cfg"),
+                                                   vision.get("embed_dim", 512))
+        text_config = MllamaTextConfig(**config["text_config"])
+        self.projector = torch.nn.Linear(self.vision_tower.conv1.out_channels, text_config.hidden_size)
+        self.language_model = MllamaForCausalLM(text_config)
+
+    @property
+    def image_size(self) -> int:
+        return int(self.config["vision"]["image_size"])
+
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Projected patch tokens ``[batch, patches, text_hidden]``."""
+        _, tokens = self.vision_tower(pixel_values)
+        return self.projector(tokens)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps({**self.config, "model_type": MODEL_TYPE},
+                                                          indent=2))
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, directory / WEIGHTS)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "MmkvVLM":
+        directory = Path(directory)
+        config = json.loads((directory / "config.json").read_text())
+        try:
+            model = cls(config)
+            state = load_file(directory / WEIGHTS)
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except (OSError, KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise ModelLoadError(f"cannot load mmkv_vlm from {str(directory)!r}: {err}") from err
+        tied = {"language_model.lm_head.weight"} if config["text_config"].get("tie_word_embeddings") else set()
+        if set(missing) - tied or unexpected:
+            raise ModelLoadError(f"{directory / WEIGHTS} does not match its config: missing "
+                                 f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        if tied:
+            model.language_model.tie_weights()
+        return model.to(dtype).eval()
+
+
+def load_mmkv_vlm(path: Path, raw_config: dict[str, Any], device: torch.device,
+                  dtype: str | torch.dtype) -> CrossAttentionAdapter:
+    dtype = resolve_dtype(dtype, raw_config["text_config"].get("dtype"), device)
+    model = MmkvVLM.from_pretrained(path, dtype)
+    lm = model.language_model
+    lm.config._attn_implementation = "mmkv_paged"
+    encoder = OpenClipEncoder(model.vision_tower, model.projector, model.image_size,
+                              identity=f"mmkv_vlm:{Path(path).resolve()}")
+    patches = (model.image_size // model.vision_tower.conv1.stride[0]) ** 2
+    return CrossAttentionAdapter(
+        model=model, text_model=lm.model, lm_head=lm.lm_head, text_config=lm.config,
+        device=device, dtype=dtype, cross_layers=tuple(lm.config.cross_attention_layers),
+        vision=VisionPipeline(encoder), image_token_id=int(raw_config["image_token_id"]),
+        question_template=raw_config.get("question_template", "<image>{question}"),
+        xattn_tokens_per_tile=patches, max_tiles=1)
