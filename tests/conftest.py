@@ -58,3 +58,13 @@ def hf_oracle(model_dirs):
         return memo[key]
 
     return oracle
+
+
+@pytest.fixture(scope="session")
+def vlm_dirs(tmp_path_factory) -> dict[str, "Path"]:
+    """Tiny random Mllama, LLaVA and mmkv_vlm checkpoints (built once per test session)."""
+    from tiny_vlms import build_llava, build_mllama, build_mmkv_vlm
+
+    root = tmp_path_factory.mktemp("vlms")
+    return {"mllama": build_mllama(root / "mllama"), "llava": build_llava(root / "llava"),
+            "mmkv_vlm": build_mmkv_vlm(root / "mmkv_vlm")}
