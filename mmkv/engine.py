@@ -63,7 +63,7 @@ class Engine:
         self.image_kv = CrossAttentionKV(self.kv, self.model) if self.model.cross_layers else None
         self.scheduler.image_kv = self.image_kv
         self.max_model_len = min(max_model_len or self.model.max_model_len, self.model.max_model_len)
-        self.tokenizer = _load_tokenizer(Path(model))
+        self.tokenizer = _load_tokenizer(Path(model), self.model.text_config)
         self.eos_token_ids = _eos_ids(Path(model), self.model.text_config, self.tokenizer)
         self.cascade = cascade
         self.debug = debug
@@ -413,10 +413,10 @@ def _set_visibility(images: list[SeqImage], prompt_len: int) -> None:
         image.visible_until = end
 
 
-def _load_tokenizer(path: Path):
+def _load_tokenizer(path: Path, config):
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, config=config)
 
 
 def _eos_ids(path: Path, config, tokenizer) -> set[int]:

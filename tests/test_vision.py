@@ -117,3 +117,20 @@ def test_encoder_runs_once_per_image(pipeline):
     assert outs[0].shape == (16, 48)  # (32 / 8)^2 patches, projected
     assert torch.equal(outs[0], outs[2]) and not torch.equal(outs[0], outs[1])
     assert pipeline.stats()["distinct_images"] == 2
+
+
+def test_open_clip_tower_from_a_local_checkpoint(tmp_path):
+    import open_clip
+
+    torch.manual_seed(1)
+    clip = open_clip.model.CLIP(embed_dim=32, vision_cfg=TINY_VIT,
+                                text_cfg={"context_length": 8, "vocab_size": 50, "width": 32,
+                                          "heads": 2, "layers": 1})
+    torch.save(clip.state_dict(), tmp_path / "open_clip_model.bin")
+    tower = open_clip_vision_tower(vision_cfg=TINY_VIT, embed_dim=32,
+                                   weights=tmp_path / "open_clip_model.bin")
+    for name, value in tower.state_dict().items():
+        assert torch.equal(value, clip.visual.state_dict()[name]), name
+    with pytest.raises(ValueError, match="unknown open_clip architecture"):
+        open_clip_vision_tower("ViT-Nonexistent")
+    assert open_clip_vision_tower("ViT-B-32").conv1.out_channels == 768  # any registry entry

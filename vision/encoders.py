@@ -8,6 +8,7 @@ tensors into embeddings ``[tokens, dim]`` for one image. ``calls`` counts encode
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any, Callable
 
 import open_clip
@@ -15,6 +16,7 @@ import torch
 from open_clip.model import CLIPVisionCfg, _build_vision_tower
 from open_clip.transform import image_transform
 from PIL import Image
+from safetensors.torch import load_file
 
 Inputs = dict[str, torch.Tensor]
 
@@ -41,8 +43,9 @@ class VisionEncoder(ABC):
 
 
 def open_clip_vision_tower(arch: str | None = None, vision_cfg: dict[str, Any] | None = None,
-                           embed_dim: int = 512) -> torch.nn.Module:
-    """A randomly initialised open_clip vision tower, by registry name or by explicit config.
+                           embed_dim: int = 512, weights: str | Path | None = None) -> torch.nn.Module:
+    """An open_clip vision tower, by registry name or by explicit config; randomly initialised, or
+    loaded from the ``visual.*`` tensors of a local open_clip checkpoint (``weights``).
 
     The tower returns its patch tokens (``output_tokens``), which is what cross-attention needs.
     """
@@ -54,7 +57,23 @@ def open_clip_vision_tower(arch: str | None = None, vision_cfg: dict[str, Any] |
         model_cfg = open_clip.get_model_config(arch)
         vision_cfg, embed_dim = model_cfg["vision_cfg"], model_cfg["embed_dim"]
     cfg = CLIPVisionCfg(**{**vision_cfg, "output_tokens": True})
-    return _build_vision_tower(embed_dim, cfg)
+    tower = _build_vision_tower(embed_dim, cfg)
+    if weights is not None:
+        state = _read_checkpoint(Path(weights))
+        visual = {k[len("visual."):]: v for k, v in state.items() if k.startswith("visual.")}
+        if not visual:
+            raise ValueError(f"{weights} holds no visual.* tensors of an open_clip model")
+        tower.load_state_dict(visual)
+    return tower
+
+
+def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise ValueError(f"open_clip checkpoint {str(path)!r} does not exist")
+    if path.suffix == ".safetensors":
+        return load_file(path)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return state.get("state_dict", state)
 
 
 class OpenClipEncoder(VisionEncoder):

@@ -21,3 +21,31 @@ def save_random_llama(directory: Path, seed: int = 0, **overrides) -> Path:
     model = AutoModelForCausalLM.from_config(LlamaConfig(**{**BENCH_LLAMA, **overrides}))
     model.save_pretrained(directory)
     return directory
+
+
+BENCH_MLLAMA_VISION = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                           num_global_layers=2, attention_heads=4, image_size=224, patch_size=14,
+                           max_num_tiles=4, intermediate_layers_indices=[1, 3],
+                           vision_output_dim=256 * 3, initializer_range=0.1)
+
+
+def save_random_mllama(directory: Path, seed: int = 0) -> Path:
+    """A Mllama whose vision tower has hidden 256, 4 local + 2 global layers, 224-pixel tiles of
+    14-pixel patches, and whose text model is the benchmarks' Llama with cross-attention at layers
+    3 and 7 (gates opened so the image matters)."""
+    from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaImageProcessor
+
+    hf_logging.disable_progress_bar()
+    text = {k: v for k, v in BENCH_LLAMA.items() if not k.endswith("token_id")}
+    text.update(cross_attention_layers=[3, 7], bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    config = MllamaConfig(vision_config=BENCH_MLLAMA_VISION, text_config=text,
+                          image_token_index=text["vocab_size"])
+    torch.manual_seed(seed)
+    model = MllamaForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.model.language_model.named_parameters():
+            if name.endswith("_gate"):
+                p.fill_(0.9)
+    model.save_pretrained(directory)
+    MllamaImageProcessor(size={"height": 224, "width": 224}, max_image_tiles=4).save_pretrained(directory)
+    return directory

@@ -11,7 +11,8 @@ Llama-family text model with tanh-gated cross-attention layers at ``cross_attent
 
 ``vision`` names an open_clip architecture (``{"open_clip_arch": "ViT-B-32"}``) or gives its
 vision config (``{"open_clip_vision_cfg": {...}, "embed_dim": 64}``); ``image_size`` is the
-input resolution.
+input resolution; ``open_clip_weights`` optionally starts a new model's tower from a local open_clip
+checkpoint (a saved model's own weights file takes precedence when it is loaded).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class MmkvVLM(torch.nn.Module):
         vision = config["vision"]
         self.vision_tower = open_clip_vision_tower(vision.get("open_clip_arch"),
                                                    vision.get("open_clip_vision_cfg"),
-                                                   vision.get("embed_dim", 512))
+                                                   vision.get("embed_dim", 512),
+                                                   vision.get("open_clip_weights"))
         text_config = MllamaTextConfig(**config["text_config"])
         self.projector = torch.nn.Linear(self.vision_tower.conv1.out_channels, text_config.hidden_size)
         self.language_model = MllamaForCausalLM(text_config)
