@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 demo: $(STAMP)
-	$(PY) examples/summarize_docs.py
+	$(PY) examples/image_qa.py
 
 bench: $(STAMP)
 	$(PY) -m mmkv.bench cache --json

@@ -12,12 +12,13 @@ nothing; ``check_integrity`` holds between any two calls.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from cache.block_pool import BlockPool, OutOfBlocksError
-from cache.kv_storage import KVLayout, KVStorage
+from cache.kv_storage import KVLayout, KVStorage, parse_bytes
 from cache.metrics import CacheMetrics
 from cache.radix_tree import RadixTree
 
@@ -53,22 +54,34 @@ class KVCache:
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu",
-                 num_host_blocks: int = 0, policy: str = "lru") -> None:
+                 num_host_blocks: int = 0, policy: str = "lru",
+                 extra_layouts: Sequence[KVLayout] = ()) -> None:
         self.layout = layout
         self.block_size = layout.block_size
         self.metrics = CacheMetrics()
         self.pool = BlockPool(num_blocks)
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
-        self.storage = KVStorage(layout, num_blocks, device, num_host_blocks)
+        self.storage = KVStorage(layout, num_blocks, device, num_host_blocks, extra_layouts)
         self.tree = RadixTree(self.pool, layout.block_size, policy, block_cost=layout.num_layers,
                               metrics=self.metrics)
 
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across every store."""
+        return self.storage.bytes_per_block
+
     @classmethod
     def from_memory(cls, layout: KVLayout, memory: str | int, host_memory: str | int = 0,
-                    device: str | torch.device = "cpu", policy: str = "lru") -> "KVCache":
+                    device: str | torch.device = "cpu", policy: str = "lru",
+                    extra_layouts: Sequence[KVLayout] = ()) -> "KVCache":
         """Size the device pool (and the host tier) from byte budgets such as ``"2GiB"``."""
-        host = layout.blocks_for(host_memory) if host_memory else 0
-        return cls(layout, layout.blocks_for(memory), device, host, policy)
+        per_block = layout.bytes_per_block + sum(lay.bytes_per_block for lay in extra_layouts)
+        blocks = {name: parse_bytes(budget) // per_block
+                  for name, budget in (("kv memory", memory), ("host memory", host_memory or 1))}
+        if blocks["kv memory"] < 1:
+            raise ValueError(f"kv memory {memory!r} holds no block of {per_block} bytes")
+        host = blocks["host memory"] if host_memory else 0
+        return cls(layout, blocks["kv memory"], device, host, policy, extra_layouts)
 
     # -- allocation -----------------------------------------------------------------------------
     def num_available(self) -> int:
@@ -102,6 +115,16 @@ class KVCache:
         table.num_tokens += n
         blocks = table.blocks
         return [blocks[t // bs] * bs + t % bs for t in range(start, start + n)]
+
+    def truncate(self, table: BlockTable, num_tokens: int) -> None:
+        """Give back reserved slots past ``num_tokens`` (rejected speculation); whole blocks past
+        them are released."""
+        if not 0 <= num_tokens <= table.num_tokens:
+            raise ValueError(f"cannot truncate a table of {table.num_tokens} tokens to {num_tokens}")
+        keep = -(-num_tokens // self.block_size)
+        self.pool.decref(table.blocks[keep:])
+        del table.blocks[keep:]
+        table.num_tokens = num_tokens
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second table sharing every block of ``table`` (parallel sampling)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -47,33 +48,41 @@ class KVLayout:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
-    def blocks_for(self, memory: str | int) -> int:
-        """How many blocks fit in a byte budget (at least one, or ValueError)."""
-        budget = parse_bytes(memory)
-        n = budget // self.bytes_per_block
-        if n < 1:
-            raise ValueError(f"kv memory {memory!r} holds no block of {self.bytes_per_block} bytes")
-        return n
-
 
 class KVStorage:
-    """Per-layer paged KV tensors on ``device`` and a host tier of ``num_host_blocks`` slots."""
+    """Per-layer paged KV tensors on ``device`` and a host tier of ``num_host_blocks`` slots.
+
+    ``extra_layouts`` add further stores addressed by the same block ids (a draft model's K/V next
+    to its target's: one block table, two physical stores). Copies, swaps and moves act on every
+    store, so a block means the same positions in all of them.
+    """
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu",
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, extra_layouts: Sequence[KVLayout] = ()) -> None:
+        self.layouts = [layout, *extra_layouts]
+        if any(lay.block_size != layout.block_size for lay in self.layouts):
+            raise ValueError("every store of one cache must use the same block size")
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        shape = (2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        self.layers = [torch.zeros((num_blocks, *shape), dtype=layout.dtype, device=self.device)
-                       for _ in range(layout.num_layers)]
         pin = torch.cuda.is_available()
-        self.host = [torch.zeros((num_host_blocks, *shape), dtype=layout.dtype, pin_memory=pin)
-                     for _ in range(layout.num_layers)]
+        self.stores: list[list[torch.Tensor]] = []
+        self.host: list[torch.Tensor] = []
+        for lay in self.layouts:
+            shape = (2, lay.block_size, lay.num_kv_heads, lay.head_dim)
+            self.stores.append([torch.zeros((num_blocks, *shape), dtype=lay.dtype, device=self.device)
+                                for _ in range(lay.num_layers)])
+            self.host += [torch.zeros((num_host_blocks, *shape), dtype=lay.dtype, pin_memory=pin)
+                          for _ in range(lay.num_layers)]
+        self.layers = [t for store in self.stores for t in store]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(lay.bytes_per_block for lay in self.layouts)
 
     @property
     def device_bytes(self) -> int:
-        return self.num_blocks * self.layout.bytes_per_block
+        return self.num_blocks * self.bytes_per_block
 
     def copy_blocks(self, src: list[int], dst: list[int], num_tokens: int | None = None) -> None:
         """Copy blocks ``src[i] -> dst[i]`` in every layer (only the first ``num_tokens`` slots if

@@ -20,11 +20,14 @@ from mmkv.outputs import CompletionOutput, RequestOutput
 from mmkv.sampler import sample
 from mmkv.sampling_params import SamplingParams
 from mmkv.scheduler import Scheduler, SchedulerConfig
+from mmkv.speculation import DraftModelSpeculator, EarlyExitSpeculator
 from mmkv.sequence import SeqImage, Sequence, Status
-from vision import ImageInput
+from speculative import SpeculativeConfig
+from vision import EmbeddingCache, ImageInput
 
 Prompt = str | list[int] | dict[str, Any]
 IMAGE_PLACEHOLDER = "<image>"
+BUNDLED_MODEL = Path(__file__).parent / "bundled" / "tiny-vlm"
 
 
 @dataclass(slots=True)
@@ -45,22 +48,30 @@ class Engine:
     ``ValueError`` when submitted and never disturbs the others; finished requests hold no blocks.
     """
 
-    def __init__(self, model: str | Path, kv_cache_memory: str | int = "1GiB", block_size: int = 16,
+    def __init__(self, model: str | Path = BUNDLED_MODEL, kv_cache_memory: str | int = "1GiB", block_size: int = 16,
                  device: str = "auto", dtype: str | torch.dtype = "auto",
                  host_kv_memory: str | int = "1GiB", max_model_len: int | None = None,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  enable_prefix_caching: bool = True, eviction_policy: str = "lru",
-                 preemption: str = "auto", cascade: bool = True, debug: bool = False) -> None:
+                 preemption: str = "auto", cascade: bool = True,
+                 speculative: SpeculativeConfig | None = None, debug: bool = False) -> None:
         self.device = resolve_device(device)
         self.model = load_model(model, self.device, dtype)
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft = load_model(speculative.draft_model, self.device, self.model.dtype)
         layout = self.model.kv_layout(block_size)
         self.kv = KVCache.from_memory(layout, kv_cache_memory, host_kv_memory, self.device,
-                                      eviction_policy)
+                                      eviction_policy,
+                                      [draft.kv_layout(block_size)] if draft is not None else [])
         self.scheduler = Scheduler(
             self.kv, SchedulerConfig(max_num_batched_tokens, max_num_seqs, preemption,
                                      enable_prefix_caching),
             self.model.num_parameters, self.device.type)
-        self.image_kv = CrossAttentionKV(self.kv, self.model) if self.model.cross_layers else None
+        if self.model.vision is not None and not enable_prefix_caching:
+            self.model.vision.cache = EmbeddingCache(max_bytes=0)  # no reuse of any kind
+        self.image_kv = (CrossAttentionKV(self.kv, self.model, shared=enable_prefix_caching)
+                         if self.model.cross_layers else None)
         self.scheduler.image_kv = self.image_kv
         self.max_model_len = min(max_model_len or self.model.max_model_len, self.model.max_model_len)
         self.tokenizer = _load_tokenizer(Path(model), self.model.text_config)
@@ -72,6 +83,12 @@ class Engine:
         self._arrivals = itertools.count()
         self._counters = {"prompt_tokens": 0, "computed_prefill_tokens": 0, "decode_tokens": 0}
         self._peak_blocks = 0
+        self.speculator = None
+        if draft is not None:
+            self.speculator = DraftModelSpeculator(self.model, draft, self.kv.storage.stores[1],
+                                                   speculative, self._context)
+        elif speculative is not None:
+            self.speculator = EarlyExitSpeculator(self.model, speculative, self._context)
 
     # -- submission -----------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -189,41 +206,88 @@ class Engine:
             if self.scheduler.has_work():
                 raise RuntimeError("the scheduler could not schedule any work")
             return []
+        plain, spec = self._split_speculative(batch.seqs, batch.q_lens)
         self._peak_blocks = max(self._peak_blocks, self.kv.pool.num_in_use)
-        seqs, q_lens = batch.seqs, batch.q_lens
-        kv_lens = [s.num_computed + q for s, q in zip(seqs, q_lens)]
-        meta = plan_batch([s.table.blocks for s in seqs], q_lens, kv_lens, self.kv.block_size,
-                          self.device, cascade=self.cascade and self.model.cascade_allowed(max(kv_lens)))
-        input_ids = torch.tensor([t for s, q in zip(seqs, q_lens)
-                                  for t in s.token_ids[s.num_computed:s.num_computed + q]],
-                                 dtype=torch.long, device=self.device)
-        starts = meta.qo_indptr[:-1].tolist()
-        step = StepContext(meta, self.model.layer_views(self.kv.storage.layers))
-        self._add_image_inputs(step, seqs, q_lens, starts)
-        sampling = [i for i, (s, n) in enumerate(zip(seqs, kv_lens)) if n == len(s.token_ids)]
-        rows = torch.tensor([starts[i] + q_lens[i] - 1 for i in sampling], dtype=torch.long,
-                            device=self.device)
-        logits = self.model.forward(input_ids, step, rows)
-        for s, q in zip(seqs, q_lens):
-            phase = "decode_tokens" if q == 1 and s.num_computed >= s.prompt_len else "computed_prefill_tokens"
-            self._counters[phase] += q
-            self.scheduler.commit(s, q)
         touched: dict[int, None] = {}
-        for row, i in enumerate(sampling):
-            self._accept(seqs[i], logits[row])
-            touched[seqs[i].request_id] = None
+        if plain:
+            self._run_plain([s for s, _ in plain], [q for _, q in plain], touched)
+        if spec:
+            self._run_speculative([s for s, _ in spec], [g for _, g in spec], touched)
         if self.debug:
             self.kv.check_integrity()
         return [self._output(r) for r in touched]
 
+    def _context(self, seqs: list[Sequence], q_lens: list[int], kv_lens: list[int]) -> StepContext:
+        """Paged metadata and image inputs for computing the last ``q_lens[i]`` of the first
+        ``kv_lens[i]`` positions of each sequence (slots already reserved)."""
+        meta = plan_batch([s.table.blocks for s in seqs], q_lens, kv_lens, self.kv.block_size,
+                          self.device, cascade=self.cascade and self.model.cascade_allowed(max(kv_lens)))
+        step = StepContext(meta, self.model.layer_views(self.kv.storage.stores[0]))
+        self._add_image_inputs(step, seqs, q_lens, kv_lens, meta.qo_indptr[:-1].tolist())
+        return step
+
+    def _run_plain(self, seqs: list[Sequence], q_lens: list[int], touched: dict[int, None]) -> None:
+        kv_lens = [s.num_computed + q for s, q in zip(seqs, q_lens)]
+        step = self._context(seqs, q_lens, kv_lens)
+        input_ids = torch.tensor([t for s, q in zip(seqs, q_lens)
+                                  for t in s.token_ids[s.num_computed:s.num_computed + q]],
+                                 dtype=torch.long, device=self.device)
+        starts = step.batch.qo_indptr[:-1].tolist()
+        sampling = [i for i, (s, n) in enumerate(zip(seqs, kv_lens)) if n == len(s.token_ids)]
+        rows = torch.tensor([starts[i] + q_lens[i] - 1 for i in sampling], dtype=torch.long,
+                            device=self.device)
+        logits = self.model.forward(input_ids, step, rows)
+        if self.speculator is not None:
+            self.speculator.follow(input_ids, step)
+        for s, q in zip(seqs, q_lens):
+            phase = "decode_tokens" if q == 1 and s.num_computed >= s.prompt_len else "computed_prefill_tokens"
+            self._counters[phase] += q
+            self.scheduler.commit(s, q)
+        for row, i in enumerate(sampling):
+            self._accept(seqs[i], logits[row])
+            touched[seqs[i].request_id] = None
+
+    def _split_speculative(self, seqs: list[Sequence], q_lens: list[int]):
+        """Decoding sequences that can speculate get ``gamma`` more slots reserved (pairs
+        ``(seq, gamma)``); the rest run a plain step (pairs ``(seq, q_len)``)."""
+        plain, spec = [], []
+        for seq, q in zip(seqs, q_lens):
+            gamma = 0
+            if self.speculator is not None and q == 1 and seq.num_pending == 1 and seq.params.n == 1:
+                room = min(seq.params.max_tokens - len(seq.output_ids),
+                           self.max_model_len - len(seq.token_ids)) - 1
+                gamma = max(0, min(self.speculator.config.num_tokens, room))
+                if gamma and self.kv.blocks_needed(seq.table, gamma) <= self.kv.num_available():
+                    self.kv.append_slots(seq.table, gamma)
+                else:
+                    gamma = 0
+            if gamma:
+                spec.append((seq, gamma))
+            else:
+                plain.append((seq, q))
+        return plain, spec
+
+    def _run_speculative(self, seqs: list[Sequence], gammas: list[int],
+                         touched: dict[int, None]) -> None:
+        verdicts = self.speculator.round(seqs, gammas)
+        for seq, verdict in zip(seqs, verdicts):
+            valid = len(seq.token_ids) + verdict.accepted  # positions whose K/V is the target's
+            self.kv.truncate(seq.table, valid)
+            self._counters["decode_tokens"] += verdict.accepted + 1
+            self.scheduler.commit(seq, verdict.accepted + 1)
+            for token in verdict.tokens:
+                if self._append(seq, token):
+                    break
+            touched[seq.request_id] = None
+
     def _add_image_inputs(self, step: StepContext, seqs: list[Sequence], q_lens: list[int],
-                          starts: list[int]) -> None:
+                          kv_lens: list[int], starts: list[int]) -> None:
         """Image embeddings for LLaVA's image tokens, cross-attention metadata for the rest."""
         rows: list[int] = []
         embeds: list[torch.Tensor] = []
         cross: list[CrossSequence] = []
-        for seq, q, start in zip(seqs, q_lens, starts):
-            lo, hi = seq.num_computed, seq.num_computed + q
+        for seq, q, n, start in zip(seqs, q_lens, kv_lens, starts):
+            lo, hi = n - q, n
             for image in seq.images:
                 if not image.in_sequence:
                     continue
@@ -252,11 +316,16 @@ class Engine:
         tokens = sample(logits[None].expand(len(family), -1), [s.params for s in family],
                         [s.generator for s in family])
         for s, token in zip(family, tokens):
-            s.token_ids.append(token)
-            reason = self._finish_reason(s, token)
-            if reason is not None:
-                s.finish_reason = reason
-                self.scheduler.finish(s)
+            self._append(s, token)
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Add a generated token; finish the sequence when it should stop (returns True)."""
+        seq.token_ids.append(token)
+        reason = self._finish_reason(seq, token)
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+        return reason is not None
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         children = []
@@ -391,10 +460,11 @@ class Engine:
             "preemptions_recompute": pre.recompute,
             "preemptions_swap": pre.swap,
             "swapped_bytes": pre.swapped_bytes,
-            "peak_kv_bytes": self._peak_blocks * self.kv.layout.bytes_per_block,
+            "peak_kv_bytes": self._peak_blocks * self.kv.bytes_per_block,
             "block_size": self.kv.block_size,
             **(self.model.vision.stats() if self.model.vision is not None else {}),
             **({"xattn_blocks_computed": self.image_kv.computed_blocks} if self.image_kv else {}),
+            **(self.speculator.stats.as_dict() if self.speculator else {}),
         }
 
 

@@ -21,9 +21,10 @@ class CrossAttentionKV:
     """Guarantees: a sequence that ``acquire`` accepted holds, per image, blocks whose K/V are the
     image's (one copy shared by every holder) until ``release``."""
 
-    def __init__(self, kv: KVCache, model: ModelAdapter) -> None:
+    def __init__(self, kv: KVCache, model: ModelAdapter, shared: bool = True) -> None:
         self.kv = kv
         self.model = model
+        self.shared = shared  # False: every sequence computes its own copy (caching off)
         self.computed_blocks = 0  # blocks whose K/V this engine computed (misses)
 
     def _keys(self, image: SeqImage) -> np.ndarray:
@@ -31,9 +32,9 @@ class CrossAttentionKV:
         padded = -(-image.placement.xattn_tokens // bs) * bs
         return make_keys(np.zeros(padded, dtype=np.int64), [ImageSpan(0, padded, image.image.uid)])
 
-    @staticmethod
-    def _namespace(seq: Sequence) -> bytes:
-        return b"xattn|" + seq.namespace
+    def _namespace(self, seq: Sequence) -> bytes:
+        own = b"" if self.shared else b"|seq:%d" % seq.seq_id
+        return b"xattn|" + seq.namespace + own
 
     def acquire(self, seq: Sequence) -> bool:
         """Reference (computing where missing) the K/V of every image of ``seq``; False, holding
@@ -69,12 +70,9 @@ class CrossAttentionKV:
         pos = torch.arange(start, n)
         pages = torch.tensor(table.blocks, dtype=torch.long)
         blocks, offsets = pages[pos // bs].to(self.kv.storage.device), (pos % bs).to(self.kv.storage.device)
-        layers = self.model.layer_views(self.kv.storage.layers)
+        layers = self.model.layer_views(self.kv.storage.stores[0])
         embeddings = self.model.vision.embeddings(image.image)
         for idx, (k, v) in zip(self.model.cross_layers, self.model.xattn_kv(embeddings)):
             layers[idx][blocks, 0, offsets] = k[start:n].to(layers[idx].dtype)
             layers[idx][blocks, 1, offsets] = v[start:n].to(layers[idx].dtype)
         self.computed_blocks += len(table.blocks) - start // bs
-
-    def held_blocks(self, seqs: list[Sequence]) -> set[int]:
-        return {b for s in seqs for t in s.image_tables for b in t.blocks}

@@ -256,7 +256,7 @@ class Scheduler:
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
             self.preemptions.swap += 1
-            self.preemptions.swapped_bytes += moved * self.kv.layout.bytes_per_block
+            self.preemptions.swapped_bytes += moved * self.kv.bytes_per_block
         else:
             self.kv.free(seq.table)
             seq.table, seq.num_computed, seq.num_cached_blocks = None, 0, 0
@@ -271,6 +271,6 @@ class Scheduler:
             return "recompute"
         if mode != "auto":
             return mode
-        swap = SWAP_LATENCY + 2 * moved * self.kv.layout.bytes_per_block / self.bandwidth
+        swap = SWAP_LATENCY + 2 * moved * self.kv.bytes_per_block / self.bandwidth
         recompute = moved * self.kv.block_size * 2 * self.num_parameters / self.flops
         return "swap" if swap < recompute else "recompute"

@@ -1,1 +1,6 @@
-"""speculative package."""
+"""Speculative decoding: configuration and exact verification (greedy and rejection sampling)."""
+
+from speculative.config import METHODS, SpeculativeConfig
+from speculative.verification import Verdict, verify_greedy, verify_sampling
+
+__all__ = ["METHODS", "SpeculativeConfig", "Verdict", "verify_greedy", "verify_sampling"]

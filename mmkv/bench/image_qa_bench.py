@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> dict:
         theirs = [a for img in images for a in hf_answers(model, processor, img, questions, args.a)]
         hf_s = time.perf_counter() - start
     stats = engine.stats()
-    bytes_per_block = engine.kv.layout.bytes_per_block
+    bytes_per_block = engine.kv.bytes_per_block
     tokens = engine.model.max_tiles * engine.model.xattn_tokens_per_tile
     per_image_blocks = -(-tokens // args.block_size)
     return {

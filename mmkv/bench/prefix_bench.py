@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
         batched, batched_s = timed(lambda: hf_generate(model, prompts, args.a))
         sequential, sequential_s = timed(lambda: [hf_generate(model, [p], args.a)[0] for p in prompts])
     stats = engine.stats()
-    bytes_per_block = engine.kv.layout.bytes_per_block
+    bytes_per_block = engine.kv.bytes_per_block
     unique = unique_prefixes(prompts)
     bound = (unique + args.n * args.a) * bytes_per_block // args.block_size
     return {

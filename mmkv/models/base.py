@@ -131,6 +131,7 @@ class ModelAdapter:
     vision: VisionPipeline | None = None
     image_token_id: int | None = None
     question_template: str = "<image>{question}"
+    early_exit_layer: int | None = None  # layers trained to draft through the final head
     generation_eos: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -177,19 +178,27 @@ class ModelAdapter:
             hidden[0, step.image_rows] = step.image_embeds.to(hidden.dtype)
         return hidden
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, step: StepContext,
-                logit_rows: torch.Tensor) -> torch.Tensor:
-        """Run the packed tokens through the model; float32 logits of the rows in ``logit_rows``."""
-        tm = self.text_model
-        hidden = self.embed(input_ids, step)
+    def run_layers(self, hidden: torch.Tensor, step: StepContext, start: int = 0,
+                   end: int | None = None) -> torch.Tensor:
+        """Layers ``[start, end)`` over packed hidden states ``[1, T, hidden]``."""
         positions = step.batch.positions[None]
-        rotary = tm.rotary_emb(hidden, position_ids=positions)
-        for i, layer in enumerate(tm.layers):
+        rotary = self.text_model.rotary_emb(hidden, position_ids=positions)
+        for i in range(start, self.num_layers if end is None else end):
+            layer = self.text_model.layers[i]
             if i in self.cross_layers:  # families with cross layers define run_cross_layer
                 hidden = self.run_cross_layer(layer, hidden, step)
             else:
                 hidden = layer(hidden, position_embeddings=rotary, position_ids=positions,
                                mmkv_step=step)
-        hidden = tm.norm(hidden[0, logit_rows])
-        return self.lm_head(hidden).float()
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on rows ``[n, hidden]``; float32 logits."""
+        return self.lm_head(self.text_model.norm(hidden)).float()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, step: StepContext,
+                logit_rows: torch.Tensor) -> torch.Tensor:
+        """Run the packed tokens through the model; float32 logits of the rows in ``logit_rows``."""
+        hidden = self.run_layers(self.embed(input_ids, step), step)
+        return self.logits(hidden[0, logit_rows])

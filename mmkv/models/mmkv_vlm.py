@@ -98,4 +98,5 @@ def load_mmkv_vlm(path: Path, raw_config: dict[str, Any], device: torch.device,
         device=device, dtype=dtype, cross_layers=tuple(lm.config.cross_attention_layers),
         vision=VisionPipeline(encoder), image_token_id=int(raw_config["image_token_id"]),
         question_template=raw_config.get("question_template", "<image>{question}"),
+        early_exit_layer=raw_config.get("early_exit_layer"),
         xattn_tokens_per_tile=patches, max_tiles=1)

@@ -1,0 +1,318 @@
+"""Train mmkv's bundled tiny VLM and its draft model on synthetic scenes and documents.
+
+    python examples/train_tiny.py --out mmkv/bundled          # the committed models (~25 min, 2 cores)
+    python examples/train_tiny.py --out /tmp/smoke --smoke    # a few steps end to end
+
+Writes ``<out>/tiny-vlm`` (mmkv_vlm: open_clip ViT with one 32-pixel patch per grid cell of the
+96-pixel scenes, projector, 6-layer Llama-family LM with
+cross-attention at layers 1, 3 and 5, and an early-exit head after layer 3 trained LayerSkip-style),
+``<out>/tiny-draft`` (a 2-layer Llama on the same tokenizer) and ``<out>/loss.png``. Deterministic
+from ``--seed``: data, initialisation and batch order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
+
+from mmkv.models import MmkvVLM
+from mmkv.synthetic import (COLOURS, SHAPES, SIZES, document_examples, document_prompt,
+                            random_report, random_scene, report_questions, scene_examples,
+                            scene_prompt, scene_questions)
+from vision import OpenClipEncoder
+
+TRAIN_SEED_OFFSET = 1_000  # evaluation uses seeds below this
+EARLY_EXIT_LAYER = 3
+IMAGE_TOKEN, EOS, PAD = "<image>", "<eos>", "<pad>"
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, EOS, IMAGE_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
+                                   additional_special_tokens=[IMAGE_TOKEN])
+
+
+def vlm_config(vocab: int, tokenizer: PreTrainedTokenizerFast, smoke: bool) -> dict:
+    return {
+        "vision": {"open_clip_vision_cfg": {"image_size": 96, "layers": 1 if smoke else 3,
+                                            "width": 96, "patch_size": 32, "head_width": 32},
+                   "embed_dim": 64, "image_size": 96},
+        "text_config": {"vocab_size": vocab, "hidden_size": 192, "intermediate_size": 512,
+                        "num_hidden_layers": 6, "cross_attention_layers": [1, 3, 5],
+                        "num_attention_heads": 6, "num_key_value_heads": 6,
+                        "max_position_embeddings": 1024, "rope_theta": 10000.0,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                        "tie_word_embeddings": True, "initializer_range": 0.02,
+                        "bos_token_id": tokenizer.eos_token_id,
+                        "eos_token_id": tokenizer.eos_token_id,
+                        "pad_token_id": tokenizer.pad_token_id},
+        "image_token_id": tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        "question_template": scene_prompt("{question}"),
+        "early_exit_layer": EARLY_EXIT_LAYER,
+    }
+
+
+def encode(tokenizer, prompt: str, answer: str) -> tuple[list[int], int]:
+    """Token ids of prompt + " answer" + EOS, and where the answer starts."""
+    p = tokenizer.encode(prompt)
+    a = tokenizer.encode(" " + answer) + [tokenizer.eos_token_id]
+    return p + a, len(p)
+
+
+def batch_tensors(seqs: list[tuple[list[int], int | list[tuple[int, int]]]],
+                  pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded ids and labels; a sequence's answer spans are its start (to the end) or a list of
+    ``(start, end)`` spans."""
+    width = max(len(s) for s, _ in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for i, (s, spans) in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        for a, b in ([(spans, len(s))] if isinstance(spans, int) else spans):
+            labels[i, a:b] = torch.tensor(s[a:b])
+    return ids, labels
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def cell_labels(scene) -> list[int]:
+    """Per grid cell: 0 when empty, else 1 + (shape, colour, size) index."""
+    labels = [0] * 9
+    colours, sizes = list(COLOURS), list(SIZES)
+    for s in scene.shapes:
+        labels[s.cell] = 1 + (SHAPES.index(s.kind) * len(colours) + colours.index(s.colour)) * len(sizes) \
+            + sizes.index(s.size)
+    return labels
+
+
+def vlm_losses(model: MmkvVLM, probe: torch.nn.Module, ids, labels, pixels, cells):
+    """Final-layer loss, early-exit loss (first k layers + shared norm and head) and the vision
+    probe loss (what each patch shows, which teaches the tower to see before the LM can read it)."""
+    lm = model.language_model
+    kwargs = {}
+    probe_loss = torch.zeros(())
+    if pixels is not None:
+        _, tokens = model.vision_tower(pixels)
+        probe_loss = F.cross_entropy(probe(tokens).flatten(0, 1), cells.flatten())
+        states = model.projector(tokens)
+        dense = torch.ones(ids.shape[0], ids.shape[1], 1, 1)
+        mask, rows = _prepare_cross_attention_mask(dense, num_vision_tokens=states.shape[1],
+                                                   dtype=states.dtype)
+        kwargs = dict(cross_attention_states=states, cross_attention_mask=mask,
+                      full_text_row_masked_out_mask=rows)
+    out = lm.model(input_ids=ids, output_hidden_states=True, use_cache=False, **kwargs)
+    final = lm.lm_head(out.last_hidden_state)
+    early = lm.lm_head(lm.model.norm(out.hidden_states[EARLY_EXIT_LAYER]))
+    return lm_loss(final, labels), lm_loss(early, labels), probe_loss
+
+
+def schedule(step: int, total: int, peak: float, warmup: int = 100) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * (step - warmup) / max(1, total - warmup)))).item()
+
+
+def scene_pairs(seed: int, n: int) -> list:
+    """About ``n`` (scene, question) pairs: every question kind of each scene."""
+    rng = random.Random(seed)
+    pairs = []
+    while len(pairs) < n:
+        scene = random_scene(rng)
+        pairs += [(scene, qa) for qa in scene_questions(scene, rng)]
+    return pairs
+
+
+def make_batches(tokenizer, encoder: OpenClipEncoder, seed: int, steps: int, scene_bs: int, doc_bs: int):
+    """Alternating scene and document batches, generated on the fly from per-step seeds."""
+    pad = tokenizer.pad_token_id
+    for step in range(steps):
+        s = TRAIN_SEED_OFFSET + seed * 1_000_003 + step
+        if step % 2 == 0:
+            pairs = scene_pairs(s, scene_bs)
+            renders = {}
+            pixels = []
+            for scene, _ in pairs:
+                if scene not in renders:
+                    renders[scene] = encoder.preprocess(scene.render())["pixel_values"]
+                pixels.append(renders[scene])
+            seqs = [encode(tokenizer, scene_prompt(qa.question), qa.answer) for _, qa in pairs]
+            cells = torch.tensor([cell_labels(scene) for scene, _ in pairs])
+            yield (*batch_tensors(seqs, pad), torch.cat(pixels), cells)
+        else:
+            yield (*batch_tensors(document_sequences(tokenizer, s, doc_bs), pad), None, None)
+
+
+def document_sequences(tokenizer, seed: int, n: int) -> list[tuple[list[int], int]]:
+    """``n`` reports, each followed by three instructions and answers, trained on every token:
+    packing several answers per report and predicting the report itself (whose names and values
+    recur) teaches copying far sooner than the answers alone; inference asks one question."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        report = random_report(rng)
+        qas = rng.sample(report_questions(report), 3)
+        ids, _ = encode(tokenizer, document_prompt(report, qas[0].question), qas[0].answer)
+        for qa in qas[1:]:
+            more, _ = encode(tokenizer, f"\ninstruction: {qa.question}\nanswer:", qa.answer)
+            ids += more
+        out.append((ids, [(1, len(ids))]))  # every token: names and values recur in the text
+    return out
+
+
+def corpus(seed: int) -> list[str]:
+    texts = []
+    for scene, qa in scene_examples(TRAIN_SEED_OFFSET + seed, 4000):
+        texts.append(scene_prompt(qa.question) + " " + qa.answer)
+    for report, qa in document_examples(TRAIN_SEED_OFFSET + seed, 1500):
+        texts.append(document_prompt(report, qa.question) + " " + qa.answer)
+    return texts
+
+
+def train_vlm(args, tokenizer, history: dict) -> MmkvVLM:
+    config = vlm_config(len(tokenizer), tokenizer, args.smoke)
+    torch.manual_seed(args.seed)
+    model = MmkvVLM(config)
+    with torch.no_grad():  # start with the image in view (gates start closed otherwise)
+        for name, p in model.language_model.named_parameters():
+            if name.endswith("_gate"):
+                p.fill_(0.5)
+    encoder = OpenClipEncoder(model.vision_tower, model.projector, model.image_size, identity="train")
+    probe = torch.nn.Linear(model.vision_tower.conv1.out_channels, 1 + len(SHAPES) * len(COLOURS) * len(SIZES))
+    params = list(model.parameters()) + list(probe.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    model.train()
+    batches = make_batches(tokenizer, encoder, args.seed, args.steps, args.scene_batch, args.doc_batch)
+    bar = tqdm(batches, total=args.steps, desc="vlm", mininterval=5)
+    for step, (ids, labels, pixels, cells) in enumerate(bar):
+        for group in opt.param_groups:
+            group["lr"] = schedule(step, args.steps, args.lr)
+        final, early, seen = vlm_losses(model, probe, ids, labels, pixels, cells)
+        loss = final + args.early_exit_weight * early + seen
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        key = "scene" if pixels is not None else "document"
+        history[f"vlm_{key}"].append((step, final.item()))
+        history[f"vlm_{key}_early_exit"].append((step, early.item()))
+        bar.set_postfix(loss=f"{final.item():.3f}", early=f"{early.item():.3f}")
+    return model.eval()
+
+
+def train_draft(args, tokenizer, history: dict) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=96, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(args.seed + 1)
+    model = LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    model.train()
+    steps = args.draft_steps
+    batches = _text_batches(tokenizer, args.seed + 7, steps, args.scene_batch, args.doc_batch)
+    for step, (ids, labels) in enumerate(tqdm(batches, total=steps, desc="draft", mininterval=5)):
+        for group in opt.param_groups:
+            group["lr"] = schedule(step, steps, args.lr)
+        loss = lm_loss(model(input_ids=ids).logits, labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        history["draft"].append((step, loss.item()))
+    return model.eval()
+
+
+def _text_batches(tokenizer, seed: int, steps: int, scene_bs: int, doc_bs: int):
+    """The draft sees the same text without the picture."""
+    pad = tokenizer.pad_token_id
+    for step in range(steps):
+        s = TRAIN_SEED_OFFSET + seed * 1_000_003 + step
+        if step % 2 == 0:
+            seqs = [encode(tokenizer, scene_prompt(qa.question), qa.answer)
+                    for _, qa in scene_pairs(s, scene_bs)]
+        else:
+            seqs = document_sequences(tokenizer, s, doc_bs)
+        yield batch_tensors(seqs, pad)
+
+
+def plot(history: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, points in history.items():
+        if points:
+            steps, losses = zip(*points)
+            window = max(1, len(losses) // 50)
+            smooth = [sum(losses[max(0, i - window):i + 1]) / len(losses[max(0, i - window):i + 1])
+                      for i in range(len(losses))]
+            ax.plot(steps, smooth, label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (smoothed)")
+    ax.set_title("mmkv tiny models: training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=4500)
+    parser.add_argument("--draft-steps", type=int, default=800)
+    parser.add_argument("--scene-batch", type=int, default=48)
+    parser.add_argument("--doc-batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--early-exit-weight", type=float, default=0.5)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--smoke", action="store_true", help="a few tiny steps, to test the script")
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.draft_steps, args.scene_batch, args.doc_batch = 4, 2, 4, 2
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    random.seed(args.seed)
+    start = time.time()
+    tokenizer = train_tokenizer(corpus(args.seed), 200 if args.smoke else args.vocab)
+    history = {k: [] for k in ("vlm_scene", "vlm_scene_early_exit", "vlm_document",
+                               "vlm_document_early_exit", "draft")}
+    vlm = train_vlm(args, tokenizer, history)
+    draft = train_draft(args, tokenizer, history)
+    vlm_dir, draft_dir = args.out / "tiny-vlm", args.out / "tiny-draft"
+    vlm.save_pretrained(vlm_dir)
+    tokenizer.save_pretrained(vlm_dir)
+    draft.save_pretrained(draft_dir)
+    tokenizer.save_pretrained(draft_dir)
+    plot(history, args.out / "loss.png")
+    (args.out / "training.json").write_text(json.dumps(
+        {"seed": args.seed, "steps": args.steps, "draft_steps": args.draft_steps,
+         "minutes": round((time.time() - start) / 60, 1),
+         "final_losses": {k: v[-1][1] for k, v in history.items() if v}}, indent=2))
+    print(f"wrote {vlm_dir}, {draft_dir} and {args.out / 'loss.png'} in "
+          f"{(time.time() - start) / 60:.1f} minutes")
+
+
+if __name__ == "__main__":
+    main()

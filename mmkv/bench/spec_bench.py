@@ -1,0 +1,179 @@
+"""Speculative decoding on the bundled model: plain decoding against early exit (and a draft
+model when one is given), at batch 1 and batch 8, with transformers' assisted generation on the
+same weights as the peer.
+
+Workloads: scene descriptions (``describe the scene.``, ~30 answer tokens) and document summaries
+(``summarise the report.``, ~35 tokens), greedy. transformers runs the document summaries (its
+Mllama text model takes no image without the cross-attention plumbing), at batch 1, the only
+batch size its assisted generation supports. Every greedy variant must give the same outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mmkv import Engine, SamplingParams
+from mmkv.engine import BUNDLED_MODEL
+from mmkv.models import MmkvVLM
+from mmkv.synthetic import document_prompt, random_report, random_scene, scene_prompt
+from speculative import SpeculativeConfig
+
+PARAMS = SamplingParams(max_tokens=48)
+DRAFT_MODEL = BUNDLED_MODEL.parent / "tiny-draft"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL)
+    p.add_argument("--draft", type=Path, default=DRAFT_MODEL)
+    p.add_argument("--requests", type=int, default=16, help="per workload")
+    p.add_argument("--num-tokens", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--sweep", default="1,2,3,4,6", help="draft lengths for the chart")
+    p.add_argument("--chart", type=Path, default=Path("spec_speedup.png"))
+    p.add_argument("--seed", type=int, default=11)
+
+
+def workloads(n: int, seed: int) -> dict[str, list]:
+    rng = random.Random(seed)
+    scenes = [{"prompt": scene_prompt("describe the scene."), "images": [random_scene(rng).render()]}
+              for _ in range(n)]
+    docs = [document_prompt(random_report(rng), "summarise the report.") for _ in range(n)]
+    return {"scenes": scenes, "documents": docs}
+
+
+def timed_mmkv(model: Path, prompts: list, batch: int, speculative: SpeculativeConfig | None):
+    """Generated tokens, seconds and stats for ``prompts`` served ``batch`` at a time."""
+    engine = Engine(model, kv_cache_memory="256MiB", host_kv_memory="16MiB", speculative=speculative)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
+    outs = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        outs += engine.generate(prompts[i:i + batch], PARAMS)
+    return [o.token_ids for o in outs], time.perf_counter() - start, engine.stats()
+
+
+@torch.inference_mode()
+def timed_hf(target, prompts: list[str], tokenizer, **assist):
+    outs = []
+    eos = tokenizer.eos_token_id
+    target.generate(torch.tensor([tokenizer.encode(prompts[0])]), max_new_tokens=2, **assist)
+    start = time.perf_counter()
+    for p in prompts:
+        ids = torch.tensor([tokenizer.encode(p)])
+        out = target.generate(ids, max_new_tokens=PARAMS.max_tokens, do_sample=False,
+                              eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, **assist)
+        outs.append(out[0, ids.shape[1]:].tolist())
+    return outs, time.perf_counter() - start
+
+
+def tokens(outs: list[list[int]]) -> int:
+    return sum(len(o) for o in outs)
+
+
+def run(args: argparse.Namespace) -> dict:
+    loads = workloads(args.requests, args.seed)
+    everything = loads["scenes"] + loads["documents"]
+    configs = {"plain": None, "early_exit": SpeculativeConfig(num_tokens=args.num_tokens)}
+    if args.draft.exists():
+        configs["draft"] = SpeculativeConfig(method="draft_model", num_tokens=args.num_tokens,
+                                             draft_model=args.draft)
+    result: dict = {}
+    outputs: dict[str, list] = {}
+    for batch in (1, 8):
+        rates = {}
+        for name, config in configs.items():
+            outs, seconds, stats = timed_mmkv(args.model, everything, batch, config)
+            outputs[f"{name}_b{batch}"] = outs
+            rates[name] = tokens(outs) / seconds
+            result[f"tokens_per_s_{name}_b{batch}"] = round(rates[name], 1)
+            if config is not None:
+                result[f"speedup_{name}_b{batch}"] = round(rates[name] / rates["plain"], 2)
+                result[f"acceptance_rate_{name}_b{batch}"] = stats["spec_acceptance_rate"]
+                result[f"mean_tokens_per_round_{name}_b{batch}"] = stats["spec_mean_tokens_per_round"]
+                result[f"target_passes_{name}_b{batch}"] = stats["spec_rounds"]
+    result["acceptance_rate_early_exit"] = result["acceptance_rate_early_exit_b1"]
+    result["draft_extra_blocks_early_exit"] = _extra_draft_blocks(args.model)
+
+    # transformers on the same weights: the language model of the bundled VLM, document summaries.
+    docs = loads["documents"]
+    first_doc = len(loads["scenes"])
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    target = MmkvVLM.from_pretrained(args.model).language_model
+    hf_plain, hf_plain_s = timed_hf(target, docs, tokenizer)
+    hf = {"hf_assisted_early_exit": timed_hf(target, docs, tokenizer,
+                                             assistant_early_exit=_early_exit_layer(args.model))}
+    if args.draft.exists():
+        draft = AutoModelForCausalLM.from_pretrained(args.draft).eval()
+        hf["hf_assisted_draft"] = timed_hf(target, docs, tokenizer, assistant_model=draft)
+    result["tokens_per_s_hf_plain_b1"] = round(tokens(hf_plain) / hf_plain_s, 1)
+    for name, (outs, seconds) in hf.items():
+        result[f"tokens_per_s_{name}_b1"] = round(tokens(outs) / seconds, 1)
+    ours = {name: timed_mmkv(args.model, docs, 1, config) for name, config in configs.items()}
+    best_ours = max(tokens(o) / s for o, s, _ in ours.values())
+    best_hf = max(tokens(o) / s for o, s in hf.values())
+    result["speedup_vs_hf_assisted_b1"] = round(best_ours / best_hf, 2)
+    for name in ("early_exit", "draft"):
+        peer = {"early_exit": "hf_assisted_early_exit", "draft": "hf_assisted_draft"}[name]
+        if name in ours and peer in hf:
+            o, s, _ = ours[name]
+            result[f"speedup_{name}_vs_{peer}_b1"] = round((tokens(o) / s) / (tokens(hf[peer][0]) / hf[peer][1]), 2)
+    eos = tokenizer.eos_token_id
+    reference = [_until_eos(o, eos) for o in hf_plain]
+    mmkv_variants = list(outputs.values())
+    docs_variants = [o[first_doc:] for o in mmkv_variants] + [o for o, _, _ in ours.values()] \
+        + [o for o, _ in hf.values()]
+    result["outputs_equal"] = (all(v == mmkv_variants[0] for v in mmkv_variants)
+                               and all([_until_eos(x, eos) for x in v] == reference for v in docs_variants))
+    result["sweep_early_exit_b1"] = _sweep(args, everything)
+    result["requests_per_workload"] = args.requests
+    return result
+
+
+def _until_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def _early_exit_layer(model: Path) -> int:
+    import json
+
+    return json.loads((model / "config.json").read_text())["early_exit_layer"]
+
+
+def _extra_draft_blocks(model: Path) -> int:
+    """KV memory the early-exit draft needs beyond the target's, in blocks: its K/V is the
+    target's own, so this is what the engine really allocates for it."""
+    plain = Engine(model, kv_cache_memory="16MiB", host_kv_memory="1MiB")
+    spec = Engine(model, kv_cache_memory="16MiB", host_kv_memory="1MiB", speculative=SpeculativeConfig())
+    extra = spec.kv.storage.device_bytes - plain.kv.storage.device_bytes
+    return extra // plain.kv.bytes_per_block
+
+
+def _sweep(args: argparse.Namespace, prompts: list) -> dict[str, float]:
+    """Batch-1 speedup of early exit for each draft length; drawn to ``args.chart``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    subset = prompts[:: max(1, len(prompts) // 8)]
+    _, plain_s, _ = timed_mmkv(args.model, subset, 1, None)
+    gammas = [int(g) for g in args.sweep.split(",")]
+    speedups = {}
+    for g in gammas:
+        _, s, _ = timed_mmkv(args.model, subset, 1, SpeculativeConfig(num_tokens=g))
+        speedups[str(g)] = round(plain_s / s, 2)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(gammas, [speedups[str(g)] for g in gammas], marker="o", label="early exit, batch 1")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("draft tokens per round")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title("mmkv speculative decoding (bundled model)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.chart, dpi=100)
+    return speedups

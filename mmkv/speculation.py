@@ -1,0 +1,189 @@
+"""Speculative decoding in the engine: a draft proposes, the target verifies in one pass.
+
+A round for a batch of decoding sequences:
+
+1. ``gamma + 1`` draft passes, one position at a time (the pending token, then each draft), write
+   the draft's K/V into the sequence's own blocks and propose the next token; the last pass only
+   completes the last draft's K/V.
+2. One target pass over all ``gamma + 1`` positions yields the target's logits for each of them.
+3. ``speculative.verify_*`` accepts a prefix of the drafts and adds one target token. The caller
+   truncates the table to the accepted positions, so rejected K/V is never read and never enters
+   the radix tree.
+
+Two drafts:
+
+* **Early exit** (``EarlyExitSpeculator``): the target's first ``k`` layers and its shared final norm
+  and LM head. The draft passes *are* the target's lower layers, writing the target's own K/V, and
+  verification runs only layers ``[k, L)`` from the saved layer-``k`` hidden states: no position's
+  lower layers are computed twice and the draft needs no K/V of its own (zero extra blocks).
+* **Draft model** (``DraftModelSpeculator``): a separate small model with the same tokenizer whose
+  K/V live in a second store of the same blocks (one block table, two physical stores), kept in step
+  by running it on every token the target computes; a prefix-cache hit serves both.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from mmkv.models import ModelAdapter, StepContext
+from mmkv.sampler import filtered_probs
+from mmkv.sequence import Sequence
+from speculative import SpeculativeConfig, Verdict, verify_greedy, verify_sampling
+
+ContextFn = Callable[[list[Sequence], list[int], list[int]], StepContext]
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_passes: int = 0  # passes through the target's upper layers (verification)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"spec_rounds": self.rounds, "spec_drafted_tokens": self.drafted,
+                "spec_accepted_tokens": self.accepted,
+                "spec_acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+                "spec_mean_tokens_per_round": round((self.accepted + self.rounds) / self.rounds, 4)
+                if self.rounds else 0.0}
+
+
+class Speculator(ABC):
+    """Guarantees: every verdict is what the target alone would produce (greedy: the same
+    tokens; sampling: the same distribution)."""
+
+    def __init__(self, model: ModelAdapter, config: SpeculativeConfig, context: ContextFn) -> None:
+        self.model, self.config, self.context = model, config, context
+        self.stats = SpeculationStats()
+
+    def follow(self, input_ids: torch.Tensor, step: StepContext) -> None:
+        """Called after every plain target step on the same tokens (draft stores stay in step)."""
+
+    @abstractmethod
+    def _draft_pass(self, seqs: list[Sequence], tokens: list[int], kv_lens: list[int],
+                    drafting: list[int], live: list[int]) -> torch.Tensor | None:
+        """Run the draft on one position per sequence (``live``: their indices in the round);
+        logits of the rows in ``drafting``."""
+
+    @abstractmethod
+    def _verify_logits(self, seqs: list[Sequence], gammas: list[int], drafts: list[list[int]],
+                       lens: list[int]) -> torch.Tensor:
+        """The target's logits at the ``gamma + 1`` positions of every sequence, packed."""
+
+    @torch.inference_mode()
+    def round(self, seqs: list[Sequence], gammas: list[int]) -> list[Verdict]:
+        """Draft up to ``gammas[i]`` tokens for each sequence and verify them. Each table must
+        have slots reserved up to ``len(token_ids) + gammas[i] - 1``."""
+        lens = [len(s.token_ids) for s in seqs]
+        gammas = list(gammas)
+        inputs = [s.token_ids[-1] for s in seqs]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        draft_probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        self._begin(len(seqs))
+        for i in range(max(gammas) + 1):
+            live = [b for b in range(len(seqs)) if i <= gammas[b]]
+            if not live:  # every sequence stopped drafting early
+                break
+            drafting = [r for r, b in enumerate(live) if i < gammas[b]]
+            logits = self._draft_pass([seqs[b] for b in live], [inputs[b] for b in live],
+                                      [lens[b] + i for b in live], drafting, live)
+            for row, r in enumerate(drafting):
+                b = live[r]
+                token, probs = _draft(seqs[b], logits[row])
+                threshold = self.config.adaptive_threshold
+                if threshold is not None and probs.max().item() < threshold:
+                    gammas[b] = i  # not confident: this pass was the last one needed
+                    continue
+                drafts[b].append(token)
+                draft_probs[b].append(probs)
+                inputs[b] = token
+        logits = self._verify_logits(seqs, gammas, drafts, lens)
+        verdicts, row = [], 0
+        for seq, g, d, q in zip(seqs, gammas, drafts, draft_probs):
+            rows = logits[row:row + g + 1]
+            row += g + 1
+            if seq.params.greedy:
+                verdicts.append(verify_greedy(d, rows))
+            else:
+                p = torch.stack([filtered_probs(r, seq.params) for r in rows]).cpu()
+                qs = torch.stack(q).cpu() if q else p[:0]
+                verdicts.append(verify_sampling(d, qs, p, seq.generator))
+        self.stats.rounds += len(seqs)
+        self.stats.drafted += sum(gammas)
+        self.stats.accepted += sum(v.accepted for v in verdicts)
+        self.stats.target_passes += 1
+        return verdicts
+
+    def _begin(self, batch: int) -> None:
+        """A round starts for ``batch`` sequences."""
+
+
+class EarlyExitSpeculator(Speculator):
+    """The target's first ``k`` layers draft; verification runs layers ``[k, L)`` only."""
+
+    def __init__(self, model: ModelAdapter, config: SpeculativeConfig, context: ContextFn) -> None:
+        super().__init__(model, config, context)
+        k = config.early_exit_layer if config.early_exit_layer is not None else model.early_exit_layer
+        if k is None or not 0 < k < model.num_layers:
+            raise ValueError(f"early exit needs a layer in [1, {model.num_layers}); set "
+                             f"SpeculativeConfig.early_exit_layer (got {k})")
+        self.k = k
+        self.hidden: list[list[torch.Tensor]] = []
+
+    def _begin(self, batch: int) -> None:
+        self.hidden = [[] for _ in range(batch)]
+
+    def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
+        step = self.context(seqs, [1] * len(seqs), kv_lens)
+        ids = torch.tensor(tokens, dtype=torch.long, device=step.batch.positions.device)
+        h = self.model.run_layers(self.model.embed(ids, step), step, 0, self.k)[0]
+        for r, b in enumerate(live):
+            self.hidden[b].append(h[r])
+        return self.model.logits(h[drafting]) if drafting else None
+
+    def _verify_logits(self, seqs, gammas, drafts, lens):
+        step = self.context(seqs, [g + 1 for g in gammas], [n + g for n, g in zip(lens, gammas)])
+        h = torch.stack([x for per_seq in self.hidden for x in per_seq])[None]
+        return self.model.logits(self.model.run_layers(h, step, self.k)[0])
+
+
+class DraftModelSpeculator(Speculator):
+    """A separate small model drafts from its own store of the same blocks."""
+
+    def __init__(self, model: ModelAdapter, draft: ModelAdapter, draft_layers: list[torch.Tensor],
+                 config: SpeculativeConfig, context: ContextFn) -> None:
+        super().__init__(model, config, context)
+        if draft.vocab_size != model.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.vocab_size}) differs from the "
+                             f"target's ({model.vocab_size}); they must share a tokenizer")
+        self.draft = draft
+        self.draft_layers = draft.layer_views(draft_layers)
+
+    def follow(self, input_ids: torch.Tensor, step: StepContext) -> None:
+        self.draft.forward(input_ids, StepContext(step.batch, self.draft_layers),
+                           torch.zeros(0, dtype=torch.long, device=input_ids.device))
+
+    def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
+        step = self.context(seqs, [1] * len(seqs), kv_lens)
+        ids = torch.tensor(tokens, dtype=torch.long, device=step.batch.positions.device)
+        rows = torch.tensor(drafting, dtype=torch.long, device=ids.device)
+        return self.draft.forward(ids, StepContext(step.batch, self.draft_layers), rows)
+
+    def _verify_logits(self, seqs, gammas, drafts, lens):
+        step = self.context(seqs, [g + 1 for g in gammas], [n + g for n, g in zip(lens, gammas)])
+        ids = torch.tensor([t for s, d in zip(seqs, drafts) for t in [s.token_ids[-1], *d]],
+                           dtype=torch.long, device=step.batch.positions.device)
+        every = torch.arange(ids.shape[0], device=ids.device)
+        return self.model.forward(ids, step, every)
+
+
+def _draft(seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The drafted token and the distribution it was drawn from."""
+    if seq.params.greedy:
+        return int(logits.argmax()), torch.softmax(logits, -1)
+    probs = filtered_probs(logits, seq.params)
+    return int(torch.multinomial(probs.cpu(), 1, generator=seq.generator)), probs

@@ -1,0 +1,35 @@
+"""How an engine speculates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+METHODS = ("early_exit", "draft_model")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """``early_exit``: the target's first ``early_exit_layer`` layers plus its final norm and LM
+    head draft (their KV is the target's own); ``draft_model``: a separate small model with the same
+    tokenizer (its KV in a second store addressed by the same block tables).
+
+    ``num_tokens`` drafts per round; with ``adaptive_threshold`` a round stops drafting once the
+    draft's top probability falls below it.
+    """
+
+    method: str = "early_exit"
+    num_tokens: int = 4
+    early_exit_layer: int | None = None  # default: the model's own "early_exit_layer"
+    draft_model: str | Path | None = None
+    adaptive_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.num_tokens, int) or self.num_tokens < 1:
+            raise ValueError(f"num_tokens must be an integer >= 1, got {self.num_tokens!r}")
+        if self.method == "draft_model" and self.draft_model is None:
+            raise ValueError("method 'draft_model' needs draft_model (a model directory)")
+        if self.adaptive_threshold is not None and not 0 < self.adaptive_threshold < 1:
+            raise ValueError(f"adaptive_threshold must be in (0, 1), got {self.adaptive_threshold}")

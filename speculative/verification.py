@@ -1,0 +1,50 @@
+"""Exact verification of drafted tokens.
+
+Greedy: accept drafted tokens while each equals the target's argmax; the first disagreement is
+replaced by the target's token, and when every draft is accepted the target's next token comes as a
+bonus. The output is token for token the target's greedy output.
+
+Sampling (Leviathan et al. 2023; Chen et al. 2023): accept draft ``x`` drawn from ``q`` with
+probability ``min(1, p(x) / q(x))``; on rejection draw from ``norm(max(0, p - q))``; when all are
+accepted draw a bonus token from the target's next distribution. The tokens are then distributed
+exactly as if sampled from the target alone.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Verdict(NamedTuple):
+    """``tokens`` are the new tokens (accepted drafts, then one from the target); ``accepted``
+    counts the accepted drafts."""
+
+    tokens: list[int]
+    accepted: int
+
+
+def verify_greedy(drafts: list[int], target_logits: torch.Tensor) -> Verdict:
+    """``target_logits`` ``[len(drafts) + 1, vocab]``: row ``i`` predicts the token after the
+    ``i``-th input (the last accepted token, then each draft)."""
+    best = target_logits.argmax(dim=-1).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == best[n]:
+        n += 1
+    return Verdict(drafts[:n] + [best[n]], n)
+
+
+def verify_sampling(drafts: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                    generator: torch.Generator | None) -> Verdict:
+    """``draft_probs`` ``[k, vocab]`` the distributions the drafts were drawn from;
+    ``target_probs`` ``[k + 1, vocab]`` the target's. All on the CPU, float32."""
+    for i, x in enumerate(drafts):
+        p, q = target_probs[i, x].item(), draft_probs[i, x].item()
+        if torch.rand((), generator=generator).item() * q > p:  # reject with prob. 1 - min(1, p/q)
+            residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
+            total = residual.sum()
+            dist = residual / total if total > 0 else target_probs[i]
+            return Verdict(drafts[:i] + [int(torch.multinomial(dist, 1, generator=generator))], i)
+    bonus = int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
+    return Verdict(list(drafts) + [bonus], len(drafts))

@@ -1,0 +1,159 @@
+"""Speculative decoding in the engine: exact greedy output, the target's sampling distribution,
+no trace of rejected drafts, and no blocks of its own."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from mmkv import Engine, SamplingParams
+from speculative import SpeculativeConfig
+from test_engine_oracle import BLOCK_BYTES, prompts
+from tiny_vlms import IMAGE_TOKEN, picture
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def spec_engine(directory, blocks=1024, k=1, gamma=3, **kw) -> Engine:
+    kw.setdefault("debug", True)
+    return Engine(directory, kv_cache_memory=blocks * BLOCK_BYTES, host_kv_memory=blocks * BLOCK_BYTES,
+                  block_size=4, device="cpu",
+                  speculative=SpeculativeConfig(num_tokens=gamma, early_exit_layer=k), **kw)
+
+
+def cached_paths(engine: Engine) -> list[list[int]]:
+    """Token ids of every root-to-node path cached in the engine's radix tree."""
+    bs = engine.kv.block_size
+    paths = []
+    for root in engine.kv.tree._roots.values():
+        stack = [(root, [])]
+        while stack:
+            node, tokens = stack.pop()
+            for key in node.keys:
+                rows = torch.frombuffer(bytearray(key), dtype=torch.int64).view(bs, 2)
+                tokens = tokens + rows[:, 0].tolist()
+            paths.append(tokens)
+            stack.extend((c, tokens) for c in node.child_nodes())
+    return paths
+
+
+@pytest.mark.parametrize("k, gamma", [(1, 3), (1, 1), (1, 6)])
+def test_early_exit_greedy_equals_plain_greedy(model_dirs, hf_oracle, k, gamma):
+    batch = prompts(40, [5, 17, 9, 30])
+    eng = spec_engine(model_dirs["llama"], k=k, gamma=gamma)
+    outs = eng.generate(batch, GREEDY)
+    for p, o in zip(batch, outs):
+        assert o.token_ids == hf_oracle("llama", p, 24)
+    stats = eng.stats()
+    assert stats["spec_rounds"] > 0 and stats["blocks_in_use"] == 0
+    finals = [p + o.token_ids for p, o in zip(batch, outs)]
+    for path in cached_paths(eng):  # rejected drafts never entered the tree
+        assert any(f[:len(path)] == path for f in finals)
+
+
+def test_early_exit_with_prefix_hits_preemption_and_adaptive_drafting(model_dirs, hf_oracle):
+    [doc] = prompts(41, [21])
+    batch = [doc + q for q in prompts(42, [3, 4, 5, 6, 7])]
+    eng = Engine(model_dirs["qwen2"], kv_cache_memory=30 * BLOCK_BYTES, host_kv_memory=30 * BLOCK_BYTES,
+                 block_size=4, device="cpu", debug=True,
+                 speculative=SpeculativeConfig(num_tokens=4, early_exit_layer=1, adaptive_threshold=0.3))
+    outs = eng.generate(batch, GREEDY)
+    for p, o in zip(batch, outs):
+        assert o.token_ids == hf_oracle("qwen2", p, 24)
+    stats = eng.stats()
+    assert stats["cached_prompt_tokens"] > 0 and stats["spec_rounds"] > 0
+    assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0
+    assert stats["spec_drafted_tokens"] < 4 * stats["spec_rounds"]  # adaptive rounds stopped early
+    assert stats["blocks_in_use"] == 0
+
+
+def test_early_exit_on_a_cross_attention_vlm_uses_the_shared_image_kv(vlm_dirs):
+    requests = [{"prompt": [IMAGE_TOKEN] + list(b"question %d?" % i), "images": [picture(i % 2)]}
+                for i in range(6)] + [list(b"text only")]
+    plain = Engine(vlm_dirs["mmkv_vlm"], kv_cache_memory=2048 * BLOCK_BYTES,
+                   host_kv_memory=1 << 20, block_size=4, device="cpu")
+    want = [o.token_ids for o in plain.generate(requests, GREEDY)]
+    eng = spec_engine(vlm_dirs["mmkv_vlm"], blocks=2048, k=3, gamma=4)  # cross layer 1 drafts too
+    assert [o.token_ids for o in eng.generate(requests, GREEDY)] == want
+    stats = eng.stats()
+    assert stats["encoder_calls"] == 2 and stats["xattn_blocks_computed"] == plain.stats()["xattn_blocks_computed"]
+    assert eng.kv.layout == plain.kv.layout  # the draft keeps no K/V of its own
+
+
+def test_rejection_sampling_keeps_the_target_distribution(tmp_path):
+    """A model with an 8-token vocabulary samples 3000 times three tokens after a fixed prompt;
+    the first comes from a plain step, the second and third from a speculative round (a drafted
+    token accepted or corrected, then the bonus token). The exact marginal distribution of each
+    position comes from transformers' forward. The total-variation distance of an empirical
+    distribution over 8 outcomes from N samples has standard deviation below sqrt(8 / (4 N)) ~ 0.026
+    at N = 3000, so 0.1 leaves about 4 standard deviations."""
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=8,
+                         max_position_embeddings=64, initializer_range=0.3,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    prompt = [1, 2, 3, 4, 5]
+
+    def next_probs(tokens):
+        return model(torch.tensor([tokens])).logits[0, -1].softmax(-1)
+
+    with torch.no_grad():
+        exact = [next_probs(prompt), torch.zeros(8), torch.zeros(8)]
+        for a in range(8):
+            pa = exact[0][a]
+            pb = next_probs(prompt + [a])
+            exact[1] += pa * pb
+            for b in range(8):
+                exact[2] += pa * pb[b] * next_probs(prompt + [a, b])
+    n = 3000
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    eng = Engine(tmp_path, kv_cache_memory=1 << 22, host_kv_memory=1 << 20, block_size=4, device="cpu",
+                 speculative=SpeculativeConfig(num_tokens=1, early_exit_layer=1))
+    outs = eng.generate([prompt] * n, params)
+    stats = eng.stats()
+    assert stats["spec_rounds"] >= n and 0 < stats["spec_acceptance_rate"] < 1
+    for position in range(3):
+        seen = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=8) / n
+        assert 0.5 * (seen - exact[position]).abs().sum() < 0.1, position
+
+
+def draft_engine(target, draft, blocks=1024, **kw) -> Engine:
+    kw.setdefault("debug", True)
+    per_block = 2 * BLOCK_BYTES  # target and draft stores of the same blocks
+    return Engine(target, kv_cache_memory=blocks * per_block, host_kv_memory=blocks * per_block,
+                  block_size=4, device="cpu",
+                  speculative=SpeculativeConfig(method="draft_model", num_tokens=3, draft_model=draft),
+                  **kw)
+
+
+def test_draft_model_greedy_equals_plain_greedy(model_dirs, hf_oracle, tmp_path):
+    from tiny_models import build_model
+
+    draft = build_model("llama", tmp_path / "draft", seed=3, num_hidden_layers=1)
+    batch = prompts(43, [6, 13, 22])
+    eng = draft_engine(model_dirs["llama"], draft)
+    outs = eng.generate(batch, GREEDY)
+    for p, o in zip(batch, outs):
+        assert o.token_ids == hf_oracle("llama", p, 24)
+    assert eng.stats()["spec_rounds"] > 0 and eng.kv.storage.layouts[1].num_layers == 1
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_draft_store_follows_prefix_hits_and_preemption(model_dirs, hf_oracle, preemption):
+    """With the target as its own draft every draft must be accepted: any stale or missing draft
+    K/V (after a prefix hit, a swap or a recompute) would show up as a rejection."""
+    [doc] = prompts(44, [17])
+    batch = [doc + q for q in prompts(45, [3, 5, 4, 6, 2])]
+    eng = draft_engine(model_dirs["llama"], model_dirs["llama"], blocks=30, preemption=preemption)
+    outs = eng.generate(batch, GREEDY)
+    for p, o in zip(batch, outs):
+        assert o.token_ids == hf_oracle("llama", p, 24)
+    stats = eng.stats()
+    assert stats["cached_prompt_tokens"] > 0 and stats[f"preemptions_{preemption}"] > 0
+    assert stats["spec_acceptance_rate"] == 1.0 and stats["blocks_in_use"] == 0
+
+
+def test_draft_model_must_share_the_vocabulary(model_dirs, vlm_dirs):
+    with pytest.raises(ValueError, match="vocabulary"):
+        draft_engine(model_dirs["llama"], vlm_dirs["llava"])
