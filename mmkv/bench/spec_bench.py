@@ -105,8 +105,12 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     target = MmkvVLM.from_pretrained(args.model).language_model
     hf_plain, hf_plain_s = timed_hf(target, docs, tokenizer)
-    hf = {"hf_assisted_early_exit": timed_hf(target, docs, tokenizer,
-                                             assistant_early_exit=_early_exit_layer(args.model))}
+    hf = {}
+    try:
+        hf["hf_assisted_early_exit"] = timed_hf(target, docs, tokenizer,
+                                                assistant_early_exit=_early_exit_layer(args.model))
+    except (AttributeError, ValueError, TypeError) as err:  # not every model class supports it
+        result["hf_assisted_early_exit_error"] = f"{type(err).__name__}: {err}"
     if args.draft.exists():
         draft = AutoModelForCausalLM.from_pretrained(args.draft).eval()
         hf["hf_assisted_draft"] = timed_hf(target, docs, tokenizer, assistant_model=draft)

@@ -1,0 +1,36 @@
+"""The committed model answers held-out questions; the training script runs end to end."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from mmkv import Engine, SamplingParams
+from mmkv.engine import BUNDLED_MODEL
+from mmkv.eval import evaluate
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_bundled_model_is_small_and_loads_by_default():
+    size = sum(f.stat().st_size for f in BUNDLED_MODEL.iterdir())
+    assert size <= 30 * 2**20
+    engine = Engine(kv_cache_memory="64MiB", host_kv_memory="8MiB")
+    assert engine.model.vision is not None and engine.tokenizer is not None
+
+
+def test_bundled_model_answers_identically_with_and_without_caching():
+    result = evaluate(BUNDLED_MODEL, scenes=30, documents=10, seed=123)
+    assert result["identical_with_and_without_caching"]
+    assert result["by_kind"]["scene/count"] == 1.0  # what the current model does know
+
+
+def test_training_script_smoke(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "examples" / "train_tiny.py"), "--out",
+                    str(tmp_path), "--smoke"], check=True, capture_output=True, timeout=300)
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    engine = Engine(tmp_path / "tiny-vlm", kv_cache_memory="32MiB", host_kv_memory="4MiB")
+    out = engine.ask(tmp_path / "loss.png", ["what is it?"],
+                     SamplingParams(max_tokens=3))[0]
+    assert len(out.token_ids) >= 1
+    draft = Engine(tmp_path / "tiny-draft", kv_cache_memory="32MiB", host_kv_memory="4MiB")
+    assert len(draft.generate("hello", SamplingParams(max_tokens=2))[0].token_ids) >= 1
