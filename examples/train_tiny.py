@@ -105,17 +105,13 @@ def cell_labels(scene) -> list[int]:
 
 def vlm_losses(model: MmkvVLM, probe: torch.nn.Module, ids, labels, pixels, cells):
     """Final-layer loss, early-exit loss (first k layers + shared norm and head) and the vision
-    probe loss (what each patch shows and where it is, which teaches the tower to see before the
-    LM can read it)."""
+    probe loss (what each patch shows, which teaches the tower to see before the LM can read it)."""
     lm = model.language_model
     kwargs = {}
     probe_loss = torch.zeros(())
     if pixels is not None:
         _, tokens = model.vision_tower(pixels)
-        guess = probe(tokens)  # per patch: what it shows, then which cell it is
-        where = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
-        probe_loss = F.cross_entropy(guess[..., :-9].flatten(0, 1), cells.flatten()) \
-            + F.cross_entropy(guess[..., -9:].flatten(0, 1), where.flatten())
+        probe_loss = F.cross_entropy(probe(tokens).flatten(0, 1), cells.flatten())
         states = model.projector(tokens)
         dense = torch.ones(ids.shape[0], ids.shape[1], 1, 1)
         mask, rows = _prepare_cross_attention_mask(dense, num_vision_tokens=states.shape[1],
@@ -145,11 +141,11 @@ def scene_pairs(seed: int, n: int) -> list:
 
 
 def make_batches(tokenizer, encoder: OpenClipEncoder, seed: int, steps: int, scene_bs: int, doc_bs: int):
-    """One scene batch to two document batches, generated on the fly from per-step seeds."""
+    """Alternating scene and document batches, generated on the fly from per-step seeds."""
     pad = tokenizer.pad_token_id
     for step in range(steps):
         s = TRAIN_SEED_OFFSET + seed * 1_000_003 + step
-        if step % 3 == 0:  # scenes are learnt sooner than copying from documents
+        if step % 2 == 0:
             pairs = scene_pairs(s, scene_bs)
             renders = {}
             pixels = []
@@ -199,8 +195,7 @@ def train_vlm(args, tokenizer, history: dict) -> MmkvVLM:
             if name.endswith("_gate"):
                 p.fill_(0.5)
     encoder = OpenClipEncoder(model.vision_tower, model.projector, model.image_size, identity="train")
-    probe = torch.nn.Linear(model.vision_tower.conv1.out_channels,
-                            1 + len(SHAPES) * len(COLOURS) * len(SIZES) + 9)
+    probe = torch.nn.Linear(model.vision_tower.conv1.out_channels, 1 + len(SHAPES) * len(COLOURS) * len(SIZES))
     params = list(model.parameters()) + list(probe.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     model.train()
@@ -286,7 +281,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--steps", type=int, default=4500)
     parser.add_argument("--draft-steps", type=int, default=800)
     parser.add_argument("--scene-batch", type=int, default=48)
     parser.add_argument("--doc-batch", type=int, default=16)
