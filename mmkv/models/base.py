@@ -13,7 +13,7 @@ first slots, since a block holds either text K/V or image K/V, never both.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +132,6 @@ class ModelAdapter:
     image_token_id: int | None = None
     question_template: str = "<image>{question}"
     early_exit_layer: int | None = None  # layers trained to draft through the final head
-    generation_eos: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.model.to(self.device).eval()
