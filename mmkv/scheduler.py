@@ -140,7 +140,7 @@ class Scheduler:
             need = len(seq.swapped.host_slots) + -(-n // self.kv.block_size) + 1
             if need > self.kv.num_available() or not self._acquire_images(seq):
                 break
-            if need > self.kv.num_available():
+            if need > self.kv.num_available():  # the images took the room
                 self._release_images(seq)
                 break
             self.swapped.pop(0)
@@ -251,12 +251,11 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self._release_images(seq)  # they stay cached; resuming takes them again
         if self._preemption_mode(seq) == "swap":
-            moved = sum(self.kv.pool.refcount[b] == 1 for b in seq.table.blocks)
             seq.swapped, seq.table = self.kv.swap_out(seq.table), None
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
             self.preemptions.swap += 1
-            self.preemptions.swapped_bytes += moved * self.kv.bytes_per_block
+            self.preemptions.swapped_bytes += len(seq.swapped.host_slots) * self.kv.bytes_per_block
         else:
             self.kv.free(seq.table)
             seq.table, seq.num_computed, seq.num_cached_blocks = None, 0, 0

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mmkv import Engine, SamplingParams
 from mmkv.engine import BUNDLED_MODEL
 from mmkv.models import MmkvVLM
+from mmkv.models.base import read_config_json
 from mmkv.synthetic import document_prompt, random_report, random_scene, scene_prompt
 from speculative import SpeculativeConfig
 
@@ -143,9 +144,7 @@ def _until_eos(ids: list[int], eos: int) -> list[int]:
 
 
 def _early_exit_layer(model: Path) -> int:
-    import json
-
-    return json.loads((model / "config.json").read_text())["early_exit_layer"]
+    return read_config_json(model)["early_exit_layer"]
 
 
 def _extra_draft_blocks(model: Path) -> int:
