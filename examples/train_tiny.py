@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
 
+from mmkv.eval import evaluate
 from mmkv.models import MmkvVLM
 from mmkv.synthetic import (COLOURS, SHAPES, SIZES, document_examples, document_prompt,
                             random_report, random_scene, report_questions, scene_examples,
@@ -32,7 +34,6 @@ from mmkv.synthetic import (COLOURS, SHAPES, SIZES, document_examples, document_
 from vision import OpenClipEncoder
 
 TRAIN_SEED_OFFSET = 1_000  # evaluation uses seeds below this
-EARLY_EXIT_LAYER = 3
 IMAGE_TOKEN, EOS, PAD = "<image>", "<eos>", "<pad>"
 
 
@@ -48,14 +49,15 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
                                    additional_special_tokens=[IMAGE_TOKEN])
 
 
-def vlm_config(vocab: int, tokenizer: PreTrainedTokenizerFast, smoke: bool) -> dict:
+def vlm_config(args, tokenizer: PreTrainedTokenizerFast) -> dict:
     return {
-        "vision": {"open_clip_vision_cfg": {"image_size": 96, "layers": 1 if smoke else 3,
+        "vision": {"open_clip_vision_cfg": {"image_size": 96, "layers": 1 if args.smoke else 3,
                                             "width": 96, "patch_size": 32, "head_width": 32},
                    "embed_dim": 64, "image_size": 96},
-        "text_config": {"vocab_size": vocab, "hidden_size": 192, "intermediate_size": 512,
-                        "num_hidden_layers": 6, "cross_attention_layers": [1, 3, 5],
-                        "num_attention_heads": 6, "num_key_value_heads": 6,
+        "text_config": {"vocab_size": len(tokenizer), "hidden_size": args.hidden,
+                        "intermediate_size": args.hidden * 8 // 3,
+                        "num_hidden_layers": args.layers, "cross_attention_layers": args.cross_layers,
+                        "num_attention_heads": args.hidden // 32, "num_key_value_heads": args.hidden // 32,
                         "max_position_embeddings": 1024, "rope_theta": 10000.0,
                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
                         "tie_word_embeddings": True, "initializer_range": 0.02,
@@ -64,7 +66,7 @@ def vlm_config(vocab: int, tokenizer: PreTrainedTokenizerFast, smoke: bool) -> d
                         "pad_token_id": tokenizer.pad_token_id},
         "image_token_id": tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         "question_template": scene_prompt("{question}"),
-        "early_exit_layer": EARLY_EXIT_LAYER,
+        "early_exit_layer": args.early_exit_layer,
     }
 
 
@@ -103,7 +105,7 @@ def cell_labels(scene) -> list[int]:
     return labels
 
 
-def vlm_losses(model: MmkvVLM, probe: torch.nn.Module, ids, labels, pixels, cells):
+def vlm_losses(model: MmkvVLM, probe: torch.nn.Module, ids, labels, pixels, cells, exit_layer: int):
     """Final-layer loss, early-exit loss (first k layers + shared norm and head) and the vision
     probe loss (what each patch shows, which teaches the tower to see before the LM can read it)."""
     lm = model.language_model
@@ -120,7 +122,7 @@ def vlm_losses(model: MmkvVLM, probe: torch.nn.Module, ids, labels, pixels, cell
                       full_text_row_masked_out_mask=rows)
     out = lm.model(input_ids=ids, output_hidden_states=True, use_cache=False, **kwargs)
     final = lm.lm_head(out.last_hidden_state)
-    early = lm.lm_head(lm.model.norm(out.hidden_states[EARLY_EXIT_LAYER]))
+    early = lm.lm_head(lm.model.norm(out.hidden_states[exit_layer]))
     return lm_loss(final, labels), lm_loss(early, labels), probe_loss
 
 
@@ -140,12 +142,19 @@ def scene_pairs(seed: int, n: int) -> list:
     return pairs
 
 
-def make_batches(tokenizer, encoder: OpenClipEncoder, seed: int, steps: int, scene_bs: int, doc_bs: int):
-    """Alternating scene and document batches, generated on the fly from per-step seeds."""
+def is_scene_step(step: int, scene_fraction: float) -> bool:
+    """Scene and document batches interleaved evenly in the given proportion, a scene batch first
+    (0.5 alternates scene, document, scene, ...)."""
+    return math.ceil((step + 1) * scene_fraction) > math.ceil(step * scene_fraction)
+
+
+def make_batches(tokenizer, encoder: OpenClipEncoder, seed: int, steps: int, scene_bs: int, doc_bs: int,
+                 scene_fraction: float):
+    """Scene and document batches, generated on the fly from per-step seeds."""
     pad = tokenizer.pad_token_id
     for step in range(steps):
         s = TRAIN_SEED_OFFSET + seed * 1_000_003 + step
-        if step % 2 == 0:
+        if is_scene_step(step, scene_fraction):
             pairs = scene_pairs(s, scene_bs)
             renders = {}
             pixels = []
@@ -187,7 +196,7 @@ def corpus(seed: int) -> list[str]:
 
 
 def train_vlm(args, tokenizer, history: dict) -> MmkvVLM:
-    config = vlm_config(len(tokenizer), tokenizer, args.smoke)
+    config = vlm_config(args, tokenizer)
     torch.manual_seed(args.seed)
     model = MmkvVLM(config)
     with torch.no_grad():  # start with the image in view (gates start closed otherwise)
@@ -199,12 +208,13 @@ def train_vlm(args, tokenizer, history: dict) -> MmkvVLM:
     params = list(model.parameters()) + list(probe.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     model.train()
-    batches = make_batches(tokenizer, encoder, args.seed, args.steps, args.scene_batch, args.doc_batch)
+    batches = make_batches(tokenizer, encoder, args.seed, args.steps, args.scene_batch, args.doc_batch,
+                           args.scene_fraction)
     bar = tqdm(batches, total=args.steps, desc="vlm", mininterval=5)
     for step, (ids, labels, pixels, cells) in enumerate(bar):
         for group in opt.param_groups:
             group["lr"] = schedule(step, args.steps, args.lr)
-        final, early, seen = vlm_losses(model, probe, ids, labels, pixels, cells)
+        final, early, seen = vlm_losses(model, probe, ids, labels, pixels, cells, args.early_exit_layer)
         loss = final + args.early_exit_weight * early + seen
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -228,7 +238,8 @@ def train_draft(args, tokenizer, history: dict) -> LlamaForCausalLM:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     model.train()
     steps = args.draft_steps
-    batches = _text_batches(tokenizer, args.seed + 7, steps, args.scene_batch, args.doc_batch)
+    batches = _text_batches(tokenizer, args.seed + 7, steps, args.scene_batch, args.doc_batch,
+                            args.scene_fraction)
     for step, (ids, labels) in enumerate(tqdm(batches, total=steps, desc="draft", mininterval=5)):
         for group in opt.param_groups:
             group["lr"] = schedule(step, steps, args.lr)
@@ -241,12 +252,12 @@ def train_draft(args, tokenizer, history: dict) -> LlamaForCausalLM:
     return model.eval()
 
 
-def _text_batches(tokenizer, seed: int, steps: int, scene_bs: int, doc_bs: int):
+def _text_batches(tokenizer, seed: int, steps: int, scene_bs: int, doc_bs: int, scene_fraction: float):
     """The draft sees the same text without the picture."""
     pad = tokenizer.pad_token_id
     for step in range(steps):
         s = TRAIN_SEED_OFFSET + seed * 1_000_003 + step
-        if step % 2 == 0:
+        if is_scene_step(step, scene_fraction):
             seqs = [encode(tokenizer, scene_prompt(qa.question), qa.answer)
                     for _, qa in scene_pairs(s, scene_bs)]
         else:
@@ -288,11 +299,17 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--early-exit-weight", type=float, default=0.5)
     parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=192)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--cross-layers", type=int, nargs="+", default=[1, 3, 5])
+    parser.add_argument("--early-exit-layer", type=int, default=3)
+    parser.add_argument("--scene-fraction", type=float, default=0.5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--smoke", action="store_true", help="a few tiny steps, to test the script")
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.draft_steps, args.scene_batch, args.doc_batch = 4, 2, 4, 2
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     random.seed(args.seed)
     start = time.time()
     tokenizer = train_tokenizer(corpus(args.seed), 200 if args.smoke else args.vocab)
@@ -306,12 +323,14 @@ def main() -> None:
     draft.save_pretrained(draft_dir)
     tokenizer.save_pretrained(draft_dir)
     plot(history, args.out / "loss.png")
+    minutes = round((time.time() - start) / 60, 1)
+    held_out = evaluate(vlm_dir, *((4, 2) if args.smoke else (200, 100)))
     (args.out / "training.json").write_text(json.dumps(
-        {"seed": args.seed, "steps": args.steps, "draft_steps": args.draft_steps,
-         "minutes": round((time.time() - start) / 60, 1),
-         "final_losses": {k: v[-1][1] for k, v in history.items() if v}}, indent=2))
-    print(f"wrote {vlm_dir}, {draft_dir} and {args.out / 'loss.png'} in "
-          f"{(time.time() - start) / 60:.1f} minutes")
+        {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+         "minutes": minutes, "final_losses": {k: v[-1][1] for k, v in history.items() if v},
+         "held_out": held_out}, indent=2))
+    print(f"wrote {vlm_dir}, {draft_dir} and {args.out / 'loss.png'} in {minutes} minutes; held-out "
+          f"accuracy: scenes {held_out['scene_accuracy']}, documents {held_out['document_accuracy']}")
 
 
 if __name__ == "__main__":
