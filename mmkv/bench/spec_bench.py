@@ -22,6 +22,7 @@ from mmkv import Engine, SamplingParams
 from mmkv.engine import BUNDLED_MODEL
 from mmkv.models import MmkvVLM
 from mmkv.models.base import read_config_json
+from mmkv.speculation import SpeculationStats
 from mmkv.synthetic import document_prompt, random_report, random_scene, scene_prompt
 from speculative import SpeculativeConfig
 
@@ -34,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", type=Path, default=DRAFT_MODEL)
     p.add_argument("--requests", type=int, default=16, help="per workload")
     p.add_argument("--num-tokens", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--early-exit-layer", type=int, default=None,
+                   help="draft depth for early exit (default: the model's early_exit_layer)")
     p.add_argument("--sweep", default="1,2,3,4,6", help="draft lengths for the chart")
     p.add_argument("--chart", type=Path, default=Path("spec_speedup.png"))
     p.add_argument("--seed", type=int, default=11)
@@ -79,21 +82,34 @@ def tokens(outs: list[list[int]]) -> int:
 def run(args: argparse.Namespace) -> dict:
     loads = workloads(args.requests, args.seed)
     everything = loads["scenes"] + loads["documents"]
-    configs = {"plain": None, "early_exit": SpeculativeConfig(num_tokens=args.num_tokens)}
+    early_exit = SpeculativeConfig(num_tokens=args.num_tokens, early_exit_layer=args.early_exit_layer)
+    configs = {"plain": None, "early_exit": early_exit}
     if args.draft.exists():
         configs["draft"] = SpeculativeConfig(method="draft_model", num_tokens=args.num_tokens,
                                              draft_model=args.draft)
     result: dict = {}
     outputs: dict[str, list] = {}
+    ours: dict = {}  # batch-1 document runs: what transformers also serves
     for batch in (1, 8):
         rates = {}
         for name, config in configs.items():
-            outs, seconds, stats = timed_mmkv(args.model, everything, batch, config)
+            per_load = {load: timed_mmkv(args.model, prompts, batch, config)
+                        for load, prompts in loads.items()}
+            outs = [o for load in loads for o in per_load[load][0]]
+            seconds = sum(s for _, s, _ in per_load.values())
+            stats = _merged_stats([st for _, _, st in per_load.values()])
             outputs[f"{name}_b{batch}"] = outs
+            if batch == 1:
+                ours[name] = per_load["documents"]
             rates[name] = tokens(outs) / seconds
+            for load, (o, s, _) in per_load.items():
+                rates[f"{name}_{load}"] = tokens(o) / s
             result[f"tokens_per_s_{name}_b{batch}"] = round(rates[name], 1)
             if config is not None:
                 result[f"speedup_{name}_b{batch}"] = round(rates[name] / rates["plain"], 2)
+                for load in loads:
+                    result[f"speedup_{name}_{load}_b{batch}"] = round(
+                        rates[f"{name}_{load}"] / rates[f"plain_{load}"], 2)
                 result[f"acceptance_rate_{name}_b{batch}"] = stats["spec_acceptance_rate"]
                 result[f"mean_tokens_per_round_{name}_b{batch}"] = stats["spec_mean_tokens_per_round"]
                 result[f"target_passes_{name}_b{batch}"] = stats["spec_rounds"]
@@ -118,7 +134,6 @@ def run(args: argparse.Namespace) -> dict:
     result["tokens_per_s_hf_plain_b1"] = round(tokens(hf_plain) / hf_plain_s, 1)
     for name, (outs, seconds) in hf.items():
         result[f"tokens_per_s_{name}_b1"] = round(tokens(outs) / seconds, 1)
-    ours = {name: timed_mmkv(args.model, docs, 1, config) for name, config in configs.items()}
     best_ours = max(tokens(o) / s for o, s, _ in ours.values())
     best_hf = max(tokens(o) / s for o, s in hf.values())
     result["speedup_vs_hf_assisted_b1"] = round(best_ours / best_hf, 2)
@@ -137,6 +152,13 @@ def run(args: argparse.Namespace) -> dict:
     result["sweep_early_exit_b1"] = _sweep(args, everything)
     result["requests_per_workload"] = args.requests
     return result
+
+
+def _merged_stats(stats: list[dict]) -> dict:
+    """Speculation counters of several runs combined into one set of rates."""
+    return SpeculationStats(rounds=sum(st.get("spec_rounds", 0) for st in stats),
+                            drafted=sum(st.get("spec_drafted_tokens", 0) for st in stats),
+                            accepted=sum(st.get("spec_accepted_tokens", 0) for st in stats)).as_dict()
 
 
 def _until_eos(ids: list[int], eos: int) -> list[int]:
@@ -168,7 +190,8 @@ def _sweep(args: argparse.Namespace, prompts: list) -> dict[str, float]:
     gammas = [int(g) for g in args.sweep.split(",")]
     speedups = {}
     for g in gammas:
-        _, s, _ = timed_mmkv(args.model, subset, 1, SpeculativeConfig(num_tokens=g))
+        _, s, _ = timed_mmkv(args.model, subset, 1,
+                             SpeculativeConfig(num_tokens=g, early_exit_layer=args.early_exit_layer))
         speedups[str(g)] = round(plain_s / s, 2)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(gammas, [speedups[str(g)] for g in gammas], marker="o", label="early exit, batch 1")
