@@ -34,3 +34,14 @@ def test_training_script_smoke(tmp_path):
     assert len(out.token_ids) >= 1
     draft = Engine(tmp_path / "tiny-draft", kv_cache_memory="32MiB", host_kv_memory="4MiB")
     assert len(draft.generate("hello", SamplingParams(max_tokens=2))[0].token_ids) >= 1
+
+
+def test_cross_attention_inspector_runs_on_the_bundled_model():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "inspect_cross_attention.py"),
+                          "--cells", "top left,centre"], check=True, capture_output=True, text=True,
+                         timeout=300).stdout
+    rows = [line for line in out.splitlines() if line.strip().startswith("layer ")]
+    assert len(rows) == 2 * 6  # two questions, six heads
+    for row in rows:  # each head's weights over the nine patches form a distribution
+        weights = [float(w) for w in row.split(":")[1].split()]
+        assert len(weights) == 9 and abs(sum(weights) - 1) <= 9 * 0.005  # printed to 2 decimals
