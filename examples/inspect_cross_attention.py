@@ -7,7 +7,7 @@ Renders one synthetic scene, asks "what is at the <cell>?" for several cells and
 question, the model's answer and every head's attention over the patches (one per grid cell, in
 reading order) at the position that predicts the answer. A model that reads positions attends to
 the asked cell; one whose weights do not change with the question reads the scene as a bag of
-shapes (what the bundled model does: it answers counts and colours, not positions).
+shapes (as a model trained without patch names did: it answered counts and colours, not positions).
 """
 
 from __future__ import annotations

@@ -1,13 +1,29 @@
 """Train mmkv's bundled tiny VLM and its draft model on synthetic scenes and documents.
 
-    python examples/train_tiny.py --out mmkv/bundled          # the committed models (~25 min, 2 cores)
+    python examples/train_tiny.py --out mmkv/bundled          # the committed models (~20 min, 2 cores)
     python examples/train_tiny.py --out /tmp/smoke --smoke    # a few steps end to end
 
 Writes ``<out>/tiny-vlm`` (mmkv_vlm: open_clip ViT with one 32-pixel patch per grid cell of the
-96-pixel scenes, projector, 6-layer Llama-family LM with
-cross-attention at layers 1, 3 and 5, and an early-exit head after layer 3 trained LayerSkip-style),
-``<out>/tiny-draft`` (a 2-layer Llama on the same tokenizer) and ``<out>/loss.png``. Deterministic
-from ``--seed``: data, initialisation and batch order.
+96-pixel scenes, projector, 8-layer Llama-family LM of width 128 with cross-attention at layers 1,
+4 and 7, and an early-exit head after layer 3 trained LayerSkip-style), ``<out>/tiny-draft`` (a
+2-layer Llama on the same tokenizer), ``<out>/loss.png`` and ``<out>/training.json`` (arguments,
+time, final losses, held-out accuracy). Deterministic from ``--seed``: data, initialisation and
+batch order.
+
+What makes it learn in the budget (each found by a run that failed without it):
+
+* Each image patch is tagged with the text model's own embeddings of its cell's name ("top left"),
+  scaled to the size of the patch features (``patch_name_ids`` in the config). With untagged or
+  randomly tagged patches the first cross-attention layer looks at the same patches whatever cell
+  the question names (``examples/inspect_cross_attention.py``), and positions stay at chance.
+* A peak learning rate of 1e-3: at 3e-3 the attention locks onto the shapes before it learns where
+  they are.
+* Many document steps, reports short at first (``--curriculum``): looking a value up by its
+  field and copying it out appears only after about two thousand document batches.
+* Values written right after their field's name, in the report and in the answers
+  (``population 452,031``): once the model writes the name, finding and copying the value is the
+  plain copy-what-followed-this-token-before pattern. With the value a few words after its field
+  ("the population of kalomer is 452,031") the model copied all but the value's first token.
 """
 
 from __future__ import annotations
@@ -28,8 +44,8 @@ from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_
 
 from mmkv.eval import evaluate
 from mmkv.models import MmkvVLM
-from mmkv.synthetic import (COLOURS, SHAPES, SIZES, document_examples, document_prompt,
-                            random_report, random_scene, report_questions, scene_examples,
+from mmkv.synthetic import (COLOURS, POSITIONS, REPORT_FILLERS, SHAPES, SIZES, document_examples,
+                            document_prompt, random_report, random_scene, report_questions, scene_examples,
                             scene_prompt, scene_questions)
 from vision import OpenClipEncoder
 
@@ -53,7 +69,9 @@ def vlm_config(args, tokenizer: PreTrainedTokenizerFast) -> dict:
     return {
         "vision": {"open_clip_vision_cfg": {"image_size": 96, "layers": 1 if args.smoke else 3,
                                             "width": 96, "patch_size": 32, "head_width": 32},
-                   "embed_dim": 64, "image_size": 96},
+                   "embed_dim": 64, "image_size": 96,
+                   "patch_name_ids": [tokenizer.encode(" " + cell) for cell in POSITIONS],
+                   "patch_name_scale": args.patch_name_scale},
         "text_config": {"vocab_size": len(tokenizer), "hidden_size": args.hidden,
                         "intermediate_size": args.hidden * 8 // 3,
                         "num_hidden_layers": args.layers, "cross_attention_layers": args.cross_layers,
@@ -114,7 +132,7 @@ def vlm_losses(model: MmkvVLM, probe: torch.nn.Module, ids, labels, pixels, cell
     if pixels is not None:
         _, tokens = model.vision_tower(pixels)
         probe_loss = F.cross_entropy(probe(tokens).flatten(0, 1), cells.flatten())
-        states = model.projector(tokens)
+        states = model.project(tokens)
         dense = torch.ones(ids.shape[0], ids.shape[1], 1, 1)
         mask, rows = _prepare_cross_attention_mask(dense, num_vision_tokens=states.shape[1],
                                                    dtype=states.dtype)
@@ -148,8 +166,18 @@ def is_scene_step(step: int, scene_fraction: float) -> bool:
     return math.ceil((step + 1) * scene_fraction) > math.ceil(step * scene_fraction)
 
 
+def report_fillers(progress: float, curriculum: float) -> tuple[int, int]:
+    """Filler sentences per report at ``progress`` (0..1) of training: short reports first, so the
+    lookup of a value by its field is found early, growing to the full range at ``curriculum``."""
+    lo, hi = REPORT_FILLERS
+    if curriculum <= 0 or progress >= curriculum:
+        return lo, hi
+    top = round(hi * progress / curriculum)
+    return max(0, top - (hi - lo)), top
+
+
 def make_batches(tokenizer, encoder: OpenClipEncoder, seed: int, steps: int, scene_bs: int, doc_bs: int,
-                 scene_fraction: float):
+                 scene_fraction: float, curriculum: float):
     """Scene and document batches, generated on the fly from per-step seeds."""
     pad = tokenizer.pad_token_id
     for step in range(steps):
@@ -166,17 +194,19 @@ def make_batches(tokenizer, encoder: OpenClipEncoder, seed: int, steps: int, sce
             cells = torch.tensor([cell_labels(scene) for scene, _ in pairs])
             yield (*batch_tensors(seqs, pad), torch.cat(pixels), cells)
         else:
-            yield (*batch_tensors(document_sequences(tokenizer, s, doc_bs), pad), None, None)
+            fillers = report_fillers(step / steps, curriculum)
+            yield (*batch_tensors(document_sequences(tokenizer, s, doc_bs, fillers), pad), None, None)
 
 
-def document_sequences(tokenizer, seed: int, n: int) -> list[tuple[list[int], int]]:
+def document_sequences(tokenizer, seed: int, n: int, fillers: tuple[int, int] = REPORT_FILLERS
+                       ) -> list[tuple[list[int], int]]:
     """``n`` reports, each followed by three instructions and answers, trained on every token:
     packing several answers per report and predicting the report itself (whose names and values
     recur) teaches copying far sooner than the answers alone; inference asks one question."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        report = random_report(rng)
+        report = random_report(rng, fillers)
         qas = rng.sample(report_questions(report), 3)
         ids, _ = encode(tokenizer, document_prompt(report, qas[0].question), qas[0].answer)
         for qa in qas[1:]:
@@ -203,13 +233,13 @@ def train_vlm(args, tokenizer, history: dict) -> MmkvVLM:
         for name, p in model.language_model.named_parameters():
             if name.endswith("_gate"):
                 p.fill_(0.5)
-    encoder = OpenClipEncoder(model.vision_tower, model.projector, model.image_size, identity="train")
+    encoder = OpenClipEncoder(model.vision_tower, model.project, model.image_size, identity="train")
     probe = torch.nn.Linear(model.vision_tower.conv1.out_channels, 1 + len(SHAPES) * len(COLOURS) * len(SIZES))
     params = list(model.parameters()) + list(probe.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     model.train()
     batches = make_batches(tokenizer, encoder, args.seed, args.steps, args.scene_batch, args.doc_batch,
-                           args.scene_fraction)
+                           args.scene_fraction, args.curriculum)
     bar = tqdm(batches, total=args.steps, desc="vlm", mininterval=5)
     for step, (ids, labels, pixels, cells) in enumerate(bar):
         for group in opt.param_groups:
@@ -235,14 +265,14 @@ def train_draft(args, tokenizer, history: dict) -> LlamaForCausalLM:
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(args.seed + 1)
     model = LlamaForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.draft_lr, weight_decay=0.01)
     model.train()
     steps = args.draft_steps
     batches = _text_batches(tokenizer, args.seed + 7, steps, args.scene_batch, args.doc_batch,
                             args.scene_fraction)
     for step, (ids, labels) in enumerate(tqdm(batches, total=steps, desc="draft", mininterval=5)):
         for group in opt.param_groups:
-            group["lr"] = schedule(step, steps, args.lr)
+            group["lr"] = schedule(step, steps, args.draft_lr)
         loss = lm_loss(model(input_ids=ids).logits, labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -292,18 +322,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=4500)
+    parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--draft-steps", type=int, default=800)
     parser.add_argument("--scene-batch", type=int, default=48)
     parser.add_argument("--doc-batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--draft-lr", type=float, default=3e-3)
     parser.add_argument("--early-exit-weight", type=float, default=0.5)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--hidden", type=int, default=192)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--cross-layers", type=int, nargs="+", default=[1, 3, 5])
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--cross-layers", type=int, nargs="+", default=[1, 4, 7])
     parser.add_argument("--early-exit-layer", type=int, default=3)
-    parser.add_argument("--scene-fraction", type=float, default=0.5)
+    parser.add_argument("--scene-fraction", type=float, default=0.31)
+    parser.add_argument("--curriculum", type=float, default=0.5,
+                        help="fraction of training over which reports grow to full length")
+    parser.add_argument("--patch-name-scale", type=float, default=30.0)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--smoke", action="store_true", help="a few tiny steps, to test the script")
     args = parser.parse_args()

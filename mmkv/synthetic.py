@@ -5,8 +5,8 @@ colours and two sizes, each in its own cell of a 3x3 grid. Questions ask for a c
 position, a presence (yes/no) or a full description of the grid, cell by cell ("top left: small red
 circle. top: empty. ...", dozens of tokens).
 
-Documents are city reports of a few dozen sentences (fields among filler) with instructions to
-extract a field or to summarise the report in one templated sentence.
+Documents are city reports: five record lines (``population 452,031.``) among filler sentences,
+with instructions to extract a field or to summarise the report in one line listing every field.
 
 The bundled model is trained on these (``examples/train_tiny.py``) and evaluated on held-out seeds
 (``python -m mmkv.eval``).
@@ -169,33 +169,37 @@ class Report:
     text: str
 
     def summary(self) -> str:
-        return (f"{self.name} is a {self.industry} city of {self.population} people on the "
-                f"{self.river} river, founded in {self.founded} and led by mayor {self.mayor}.")
+        return (f"{self.name}: population {self.population}, founded {self.founded}, mayor "
+                f"{self.mayor}, river {self.river}, industry {self.industry}.")
 
 
-def random_report(rng: random.Random) -> Report:
+REPORT_FILLERS = (5, 9)
+
+
+def random_report(rng: random.Random, fillers: tuple[int, int] = REPORT_FILLERS) -> Report:
+    """A report: five record lines (``population 452,031.``: the field's name right before its
+    value) among ``fillers`` (a range) filler sentences, in random order."""
     name = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
     population = f"{rng.randint(2, 950)},{rng.randint(0, 999):03d}"
     founded = str(rng.randint(1100, 1950))
     mayor = f"{rng.choice(FIRST)} {rng.choice(LAST)}"
     river, industry = rng.choice(RIVERS), rng.choice(INDUSTRIES)
-    facts = [f"the population of {name} is {population}.", f"{name} was founded in {founded}.",
-             f"the mayor of {name} is {mayor}.", f"the {river} river runs through {name}.",
-             f"the main industry of {name} is {industry}."]
-    rng.shuffle(facts)
-    sentences = facts + rng.sample(FILLER, rng.randint(5, 9))
+    facts = [f"population {population}.", f"founded {founded}.", f"mayor {mayor}.",
+             f"river {river}.", f"industry {industry}."]
+    sentences = facts + rng.sample(FILLER, rng.randint(*fillers))
     rng.shuffle(sentences)
     text = f"report on {name}. " + " ".join(sentences)
     return Report(name, population, founded, mayor, river, industry, text)
 
 
 def report_questions(report: Report) -> list[QA]:
+    """Field answers name their field (``population 452,031``), as the report and summary do."""
     n = report.name
-    return [QA(f"what is the population of {n}?", report.population, "population"),
-            QA(f"when was {n} founded?", report.founded, "founded"),
-            QA(f"who is the mayor of {n}?", report.mayor, "mayor"),
-            QA(f"which river runs through {n}?", f"the {report.river} river", "river"),
-            QA(f"what is the main industry of {n}?", report.industry, "industry"),
+    return [QA(f"what is the population of {n}?", f"population {report.population}", "population"),
+            QA(f"when was {n} founded?", f"founded {report.founded}", "founded"),
+            QA(f"who is the mayor of {n}?", f"mayor {report.mayor}", "mayor"),
+            QA(f"which river runs through {n}?", f"river {report.river}", "river"),
+            QA(f"what is the main industry of {n}?", f"industry {report.industry}", "industry"),
             QA("summarise the report.", report.summary(), "summary")]
 
 

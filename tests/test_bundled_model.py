@@ -7,6 +7,7 @@ from pathlib import Path
 from mmkv import Engine, SamplingParams
 from mmkv.engine import BUNDLED_MODEL
 from mmkv.eval import evaluate
+from mmkv.models.base import read_config_json
 
 ROOT = Path(__file__).parent.parent
 
@@ -18,10 +19,17 @@ def test_bundled_model_is_small_and_loads_by_default():
     assert engine.model.vision is not None and engine.tokenizer is not None
 
 
-def test_bundled_model_answers_identically_with_and_without_caching():
-    result = evaluate(BUNDLED_MODEL, scenes=30, documents=10, seed=123)
+def test_bundled_model_reaches_its_accuracy_identically_with_and_without_caching():
+    """50 held-out scene and 50 document questions (a seed neither training nor the README's eval
+    uses), answered with prefix caching on and off."""
+    result = evaluate(BUNDLED_MODEL, scenes=50, documents=50, seed=123)
     assert result["identical_with_and_without_caching"]
-    assert result["by_kind"]["scene/count"] == 1.0  # what the current model does know
+    assert result["scene_accuracy"] >= 0.9, result
+    fields = ("population", "founded", "river", "industry")
+    assert all(result["by_kind"][f"document/{kind}"] >= 0.9 for kind in fields), result
+    # Not yet: the mayor's surname (and so every summary) is copied wrong; issue 5 stays open
+    # until document_accuracy reaches 0.9 as well.
+    assert result["document_accuracy"] >= 0.6, result
 
 
 def test_training_script_smoke(tmp_path):
@@ -41,7 +49,8 @@ def test_cross_attention_inspector_runs_on_the_bundled_model():
                           "--cells", "top left,centre"], check=True, capture_output=True, text=True,
                          timeout=300).stdout
     rows = [line for line in out.splitlines() if line.strip().startswith("layer ")]
-    assert len(rows) == 2 * 6  # two questions, six heads
+    heads = read_config_json(BUNDLED_MODEL)["text_config"]["num_attention_heads"]
+    assert len(rows) == 2 * heads  # two questions
     for row in rows:  # each head's weights over the nine patches form a distribution
         weights = [float(w) for w in row.split(":")[1].split()]
         assert len(weights) == 9 and abs(sum(weights) - 1) <= 9 * 0.005  # printed to 2 decimals

@@ -85,7 +85,8 @@ def build_mmkv_vlm(directory: Path, seed: int = 0) -> Path:
     config = {
         "vision": {"open_clip_vision_cfg": {"image_size": 32, "layers": 2, "width": 32,
                                             "patch_size": 8, "head_width": 16},
-                   "embed_dim": 32, "image_size": 32},
+                   "embed_dim": 32, "image_size": 32,
+                   "patch_name_ids": [[10 + p, 30 + p // 4] for p in range(16)], "patch_name_scale": 2.0},
         "text_config": dict(TEXT, num_hidden_layers=4, cross_attention_layers=[1, 3], vocab_size=256,
                             pad_token_id=3, bos_token_id=1, eos_token_id=2),
         "image_token_id": IMAGE_TOKEN,

@@ -79,7 +79,8 @@ def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 class OpenClipEncoder(VisionEncoder):
     """An open_clip vision tower followed by a projector; open_clip's own eval preprocessing."""
 
-    def __init__(self, tower: torch.nn.Module, projector: torch.nn.Module, image_size: int,
+    def __init__(self, tower: torch.nn.Module, projector: Callable[[torch.Tensor], torch.Tensor],
+                 image_size: int,
                  identity: str, mean: tuple[float, ...] = open_clip.OPENAI_DATASET_MEAN,
                  std: tuple[float, ...] = open_clip.OPENAI_DATASET_STD) -> None:
         super().__init__()

@@ -11,7 +11,10 @@ Llama-family text model with tanh-gated cross-attention layers at ``cross_attent
 
 ``vision`` names an open_clip architecture (``{"open_clip_arch": "ViT-B-32"}``) or gives its
 vision config (``{"open_clip_vision_cfg": {...}, "embed_dim": 64}``); ``image_size`` is the
-input resolution; ``open_clip_weights`` optionally starts a new model's tower from a local open_clip
+input resolution; ``patch_name_ids`` (one list of token ids per patch, e.g. the tokens of "top
+left") tags each projected patch with ``patch_name_scale`` times the sum of the text model's own
+embeddings of those tokens, so a question that names a place can find its patch by matching the
+same token embeddings (cross-attention keys carry no rotary position); ``open_clip_weights`` optionally starts a new model's tower from a local open_clip
 checkpoint (a saved model's own weights file takes precedence when it is loaded).
 """
 
@@ -47,15 +50,29 @@ class MmkvVLM(torch.nn.Module):
         text_config = MllamaTextConfig(**config["text_config"])
         self.projector = torch.nn.Linear(self.vision_tower.conv1.out_channels, text_config.hidden_size)
         self.language_model = MllamaForCausalLM(text_config)
+        names = vision.get("patch_name_ids")
+        self.patch_name_ids = [torch.tensor(ids, dtype=torch.long) for ids in names] if names else None
+        if names:
+            scale = float(vision.get("patch_name_scale", 1.0))
+            self.patch_name_scale = torch.nn.Parameter(torch.tensor(scale))
 
     @property
     def image_size(self) -> int:
         return int(self.config["vision"]["image_size"])
 
+    def project(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tower patch tokens to text width, tagged with their patch names when configured."""
+        out = self.projector(tokens)
+        if self.patch_name_ids is None:
+            return out
+        embed = self.language_model.model.embed_tokens
+        names = torch.stack([embed(ids.to(out.device)).sum(0) for ids in self.patch_name_ids])
+        return out + self.patch_name_scale * names
+
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Projected patch tokens ``[batch, patches, text_hidden]``."""
         _, tokens = self.vision_tower(pixel_values)
-        return self.projector(tokens)
+        return self.project(tokens)
 
     def save_pretrained(self, directory: str | Path) -> None:
         directory = Path(directory)
@@ -90,7 +107,7 @@ def load_mmkv_vlm(path: Path, raw_config: dict[str, Any], device: torch.device,
     model = MmkvVLM.from_pretrained(path, dtype)
     lm = model.language_model
     lm.config._attn_implementation = "mmkv_paged"
-    encoder = OpenClipEncoder(model.vision_tower, model.projector, model.image_size,
+    encoder = OpenClipEncoder(model.vision_tower, model.project, model.image_size,
                               identity=f"mmkv_vlm:{Path(path).resolve()}")
     patches = (model.image_size // model.vision_tower.conv1.stride[0]) ** 2
     return CrossAttentionAdapter(
