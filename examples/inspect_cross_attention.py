@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
-from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
 
 from mmkv.engine import BUNDLED_MODEL
 from mmkv.models import MmkvVLM
@@ -43,17 +42,14 @@ def main() -> None:
         lambda module, inputs, output: weights.update(last=output[1]))
     scene = random_scene(random.Random(args.seed))
     print("scene:", scene.describe())
-    encoder = OpenClipEncoder(model.vision_tower, model.projector, model.image_size, identity="inspect")
+    encoder = OpenClipEncoder(model.vision_tower, model.project, model.image_size, identity="inspect")
     states = model.image_features(encoder.preprocess(scene.render())["pixel_values"])
     for cell in args.cells.split(","):
         if cell not in POSITIONS:
             parser.error(f"--cells: {cell!r} is not one of {POSITIONS}")
         question = f"what is at the {cell}?"
         ids = torch.tensor([tokenizer.encode(scene_prompt(question))])
-        mask, rows = _prepare_cross_attention_mask(torch.ones(1, ids.shape[1], 1, 1),
-                                                   num_vision_tokens=states.shape[1], dtype=states.dtype)
-        logits = lm(input_ids=ids, cross_attention_states=states, cross_attention_mask=mask,
-                    full_text_row_masked_out_mask=rows).logits
+        logits = lm(input_ids=ids, **model.image_inputs(states, ids.shape[1])).logits
         print(f"\n{question}  truth: {scene.answer(question)!r}  first answer token: "
               f"{tokenizer.decode(logits[0, -1].argmax())!r}")
         for head, row in enumerate(weights["last"][0, :, -1]):

@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
 
 from mmkv.eval import evaluate
 from mmkv.models import MmkvVLM
@@ -132,12 +131,7 @@ def vlm_losses(model: MmkvVLM, probe: torch.nn.Module, ids, labels, pixels, cell
     if pixels is not None:
         _, tokens = model.vision_tower(pixels)
         probe_loss = F.cross_entropy(probe(tokens).flatten(0, 1), cells.flatten())
-        states = model.project(tokens)
-        dense = torch.ones(ids.shape[0], ids.shape[1], 1, 1)
-        mask, rows = _prepare_cross_attention_mask(dense, num_vision_tokens=states.shape[1],
-                                                   dtype=states.dtype)
-        kwargs = dict(cross_attention_states=states, cross_attention_mask=mask,
-                      full_text_row_masked_out_mask=rows)
+        kwargs = model.image_inputs(model.project(tokens), ids.shape[1])
     out = lm.model(input_ids=ids, output_hidden_states=True, use_cache=False, **kwargs)
     final = lm.lm_head(out.last_hidden_state)
     early = lm.lm_head(lm.model.norm(out.hidden_states[exit_layer]))

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import MllamaForCausalLM, MllamaTextConfig
+from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
 
 from mmkv.models.base import ModelLoadError, resolve_dtype
 from mmkv.models.cross_attention import CrossAttentionAdapter
@@ -73,6 +74,17 @@ class MmkvVLM(torch.nn.Module):
         """Projected patch tokens ``[batch, patches, text_hidden]``."""
         _, tokens = self.vision_tower(pixel_values)
         return self.project(tokens)
+
+    @staticmethod
+    def image_inputs(states: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
+        """Keyword arguments that let every one of ``length`` text positions of each sequence read
+        its image's ``states`` (``[batch, patches, hidden]``) in the cross-attention layers; for
+        whole-sequence forwards outside the engine (training, inspection)."""
+        dense = torch.ones(states.shape[0], length, 1, 1)
+        mask, rows = _prepare_cross_attention_mask(dense, num_vision_tokens=states.shape[1],
+                                                   dtype=states.dtype)
+        return {"cross_attention_states": states, "cross_attention_mask": mask,
+                "full_text_row_masked_out_mask": rows}
 
     def save_pretrained(self, directory: str | Path) -> None:
         directory = Path(directory)
