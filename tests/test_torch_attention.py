@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mmkv.attention.metadata import plan_batch
+from mmkv.attention.metadata import SHORT_QUERY, plan_batch
 from mmkv.attention.torch_backend import attention, write_kv
 
 BS, HQ, HKV, D = 4, 4, 2, 8
@@ -47,11 +47,13 @@ def build(seqs, num_pages=64, seed=0):
 # The runner plans cascade only when no sliding window cuts into a sequence.
 @pytest.mark.parametrize("cascade, window", [(True, None), (False, None), (False, 5)])
 def test_mixed_batch_matches_dense(cascade, window):
-    seqs = [(13, 13, None, 0),  # plain prefill
-            (18, 1, None, 0),  # decode, parent of a group
-            (21, 1, 1, 16),  # decode sharing 4 full pages with seq 1
-            (17, 1, 1, 16),  # decode sharing 4 pages; its last page is new
-            (22, 6, 1, 12),  # prefill chunk over a shared prefix
+    seqs = [(13, 13, None, 0),  # a short prompt (batched with the decodes)
+            (40, 20, None, 0),  # a long prompt (attended alone)
+            (19, 1, None, 0),  # decode, parent of a group
+            (21, 1, 2, 16),  # decode sharing 4 full pages with seq 2
+            (17, 1, 2, 16),  # decode sharing 4 pages; its last page is new
+            (22, 6, 2, 16),  # a speculative verification over a shared prefix
+            (19, 5, 2, 16),  # one whose new tokens start inside the pages it shares
             (9, 1, None, 0)]  # decode alone
     layer, tables, kvs, g = build(seqs)
     q_lens = [q for _, q, _, _ in seqs]
@@ -83,4 +85,7 @@ def test_metadata_is_flashinfer_format():
     assert batch.kv_last_page_len.tolist() == [2, 1]
     assert batch.positions.tolist() == [8, 9, 12]
     assert batch.write_blocks.tolist() == [9, 9, 6] and batch.write_offsets.tolist() == [0, 1, 0]
-    assert batch.prefill == [0] and batch.decode.rows.tolist() == [2]
+    assert batch.prefill == [] and batch.decode.rows.tolist() == [[0, 1], [2, 2]]
+    assert batch.decode.positions.tolist() == [[8, 9], [12, 12]]
+    long = plan_batch([[7, 3, 9, 5, 6]], [SHORT_QUERY + 1], [SHORT_QUERY + 2], BS, torch.device("cpu"))
+    assert long.prefill == [0] and long.decode is None

@@ -6,9 +6,14 @@ other) and, after they are written, has ``kv_lens[i]`` tokens of KV in the pages
 FlashInfer's wrappers take; the torch backend reads the same arrays (plus host-side copies, so it
 never synchronises with the device to learn a length).
 
-Cascade: decode sequences whose page lists start with the same full pages form a group; the shared
-pages are attended once for the whole group and merged with each sequence's own suffix by
-log-sum-exp (the CPU form of FlashInfer's multi-level cascade attention).
+Sequences with at most ``SHORT_QUERY`` new tokens (decode steps, speculative verification) are
+planned to be attended together, their queries padded to the longest; longer ones (prompt chunks)
+one at a time.
+
+Cascade: short-query sequences whose page lists start with the same full pages, all before their
+first new token, form a group; the shared pages are attended once for the whole group and merged
+with each sequence's own suffix by log-sum-exp (the CPU form of FlashInfer's multi-level cascade
+attention).
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+SHORT_QUERY = 16  # most new tokens of a sequence attended in the batched (decode) path
+
 
 @dataclass(slots=True)
 class CascadeGroup:
-    """Decode sequences (positions in ``DecodePlan.rows``) that share ``shared_pages``."""
+    """Short-query sequences (positions in ``DecodePlan.rows``) that share ``shared_pages``."""
 
     members: torch.Tensor  # long [m], positions into the decode list
     shared_pages: torch.Tensor  # long [p]
@@ -28,12 +35,13 @@ class CascadeGroup:
 
 @dataclass(slots=True)
 class DecodePlan:
-    """How the single-token sequences of a step are attended, batched."""
+    """How the short-query sequences of a step are attended, batched. Queries are padded to the
+    longest by repeating a sequence's last one (same row, same position, so the same result)."""
 
-    rows: torch.Tensor  # long [d], token index of each decode sequence in the packed batch
+    rows: torch.Tensor  # long [d, m], packed token row of each sequence's queries
     pages: torch.Tensor  # long [d, max_pages], each sequence's pages after its shared ones (padded)
     lens: torch.Tensor  # long [d], KV tokens in those pages
-    positions: torch.Tensor  # long [d], absolute position of the query token
+    positions: torch.Tensor  # long [d, m], absolute position of each query
     groups: list[CascadeGroup]
 
 
@@ -52,17 +60,19 @@ class PagedBatch:
     q_lens: list[int]
     kv_lens: list[int]
     pages: list[torch.Tensor]  # long page ids per sequence (on the device)
-    prefill: list[int]  # sequences with more than one new token
-    decode: DecodePlan | None
+    prefill: list[int]  # sequences with more than SHORT_QUERY new tokens, attended one at a time
+    decode: DecodePlan | None  # the others, attended together
 
     @property
     def num_tokens(self) -> int:
         return sum(self.q_lens)
 
 
-def _shared_full_pages(tables: list[list[int]], kv_lens: list[int], block_size: int) -> int:
-    """Number of leading pages identical in every table and full (not the page being written)."""
-    limit = min((n - 1) // block_size for n in kv_lens)
+def _shared_full_pages(tables: list[list[int]], kv_lens: list[int], q_lens: list[int],
+                       block_size: int) -> int:
+    """Number of leading pages identical in every table and wholly before every new token (so
+    every query sees all of them)."""
+    limit = min((n - q) // block_size for n, q in zip(kv_lens, q_lens))
     first = tables[0]
     n = 0
     while n < limit and all(t[n] == first[n] for t in tables):
@@ -95,7 +105,7 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
     def i64(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
-    decode_ids = [i for i, q in enumerate(q_lens) if q == 1]
+    short = [i for i, q in enumerate(q_lens) if q <= SHORT_QUERY]
     return PagedBatch(
         block_size=block_size,
         qo_indptr=i32(qo), kv_indptr=i32(kv),
@@ -103,14 +113,14 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
         kv_last_page_len=i32([(n - 1) % block_size + 1 for n in kv_lens]),
         positions=i64(positions), write_blocks=i64(write_blocks), write_offsets=i64(write_offsets),
         q_lens=list(q_lens), kv_lens=list(kv_lens), pages=[i64(pg) for pg in pages],
-        prefill=[i for i, q in enumerate(q_lens) if q > 1],
-        decode=_plan_decode(decode_ids, pages, kv_lens, qo, block_size, device, cascade)
-        if decode_ids else None,
+        prefill=[i for i, q in enumerate(q_lens) if q > SHORT_QUERY],
+        decode=_plan_decode(short, pages, q_lens, kv_lens, qo, block_size, device, cascade)
+        if short else None,
     )
 
 
-def _plan_decode(ids: list[int], pages: list[list[int]], kv_lens: list[int], qo: list[int],
-                 block_size: int, device: torch.device, cascade: bool) -> DecodePlan:
+def _plan_decode(ids: list[int], pages: list[list[int]], q_lens: list[int], kv_lens: list[int],
+                 qo: list[int], block_size: int, device: torch.device, cascade: bool) -> DecodePlan:
     shared = {i: 0 for i in ids}
     groups: list[CascadeGroup] = []
     if cascade:
@@ -122,7 +132,8 @@ def _plan_decode(ids: list[int], pages: list[list[int]], kv_lens: list[int], qo:
             if len(members) < 2:
                 continue
             seqs = [ids[m] for m in members]
-            n = _shared_full_pages([pages[i] for i in seqs], [kv_lens[i] for i in seqs], block_size)
+            n = _shared_full_pages([pages[i] for i in seqs], [kv_lens[i] for i in seqs],
+                                   [q_lens[i] for i in seqs], block_size)
             if n == 0:
                 continue
             for i in seqs:
@@ -133,12 +144,15 @@ def _plan_decode(ids: list[int], pages: list[list[int]], kv_lens: list[int], qo:
     suffix = [pages[i][shared[i]:] for i in ids]
     width = max(len(s) for s in suffix)
     padded = [s + [s[-1]] * (width - len(s)) for s in suffix]
+    m = max(q_lens[i] for i in ids)
+    rows = [[qo[i] + min(j, q_lens[i] - 1) for j in range(m)] for i in ids]
     return DecodePlan(
-        rows=torch.tensor([qo[i] for i in ids], dtype=torch.long, device=device),
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
         pages=torch.tensor(padded, dtype=torch.long, device=device),
         lens=torch.tensor([kv_lens[i] - shared[i] * block_size for i in ids], dtype=torch.long,
                           device=device),
-        positions=torch.tensor([kv_lens[i] - 1 for i in ids], dtype=torch.long, device=device),
+        positions=torch.tensor([[kv_lens[i] - q_lens[i] + min(j, q_lens[i] - 1) for j in range(m)]
+                                for i in ids], dtype=torch.long, device=device),
         groups=groups,
     )
 

@@ -1,8 +1,9 @@
 """Reference attention over the paged KV cache, in plain torch (CPU and any device).
 
-Reads exactly the metadata FlashInfer's kernels receive (``PagedBatch``). Prefill sequences are
-attended one at a time with torch's SDPA (queries in chunks, so memory stays bounded for long
-prompts); single-token decode sequences are attended together. Decode groups that share leading
+Reads exactly the metadata FlashInfer's kernels receive (``PagedBatch``). Sequences with many new
+tokens (prompt chunks) are attended one at a time with torch's SDPA (queries in chunks, so memory
+stays bounded for long prompts); those with a few (decode steps, speculative verification) are
+attended together, their queries padded to the longest. Decode groups that share leading
 pages attend those pages once for the whole group and merge with each sequence's own pages by
 log-sum-exp, which gives the same result as attending the concatenation.
 
@@ -100,11 +101,13 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 def _decode(q: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale: float,
             window: int | None) -> torch.Tensor:
-    """Attention of ``d`` single-token queries ``[d, Hq, D]``."""
+    """Attention of ``d`` sequences' short queries ``[d, m, Hq, D]`` (padded to ``m`` each)."""
     plan = batch.decode
-    d, hq, dim = q.shape
+    d, m, hq, dim = q.shape
     hkv = layer.shape[3]
-    groups_q = q.view(d, hkv, hq // hkv, dim)  # [d, Hkv, G, D]
+    g = hq // hkv
+    # [d, Hkv, m*G, D]: each KV head's queries, query-major
+    groups_q = q.view(d, m, hkv, g, dim).permute(0, 2, 1, 3, 4).reshape(d, hkv, m * g, dim)
     bs = batch.block_size
     use_cascade = bool(plan.groups) and (window is None or max(batch.kv_lens) <= window)
     if plan.groups and not use_cascade:
@@ -112,22 +115,24 @@ def _decode(q: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale: floa
     # Each sequence's own pages, padded to the longest.
     k = layer[:, 0][plan.pages].view(d, -1, hkv, dim).transpose(1, 2)  # [d, Hkv, L, D]
     v = layer[:, 1][plan.pages].view(d, -1, hkv, dim).transpose(1, 2)
-    offset = plan.positions - plan.lens + 1  # absolute position of the first suffix token
-    kv_pos = offset[:, None] + torch.arange(k.shape[2], device=q.device)[None, :]
-    allowed = torch.arange(k.shape[2], device=q.device)[None, :] < plan.lens[:, None]
+    index = torch.arange(k.shape[2], device=q.device)
+    kv_pos = (plan.positions[:, -1] - plan.lens + 1)[:, None] + index[None, :]  # [d, L]
+    allowed = (index[None, :] < plan.lens[:, None])[:, None, :] \
+        & (kv_pos[:, None, :] <= plan.positions[:, :, None])  # [d, m, L]
     if window is not None:
-        allowed &= kv_pos > (plan.positions[:, None] - window)
-    out, lse = _attend(groups_q, k, v, allowed[:, None, None, :], scale)
+        allowed &= kv_pos[:, None, :] > (plan.positions[:, :, None] - window)
+    allowed = allowed[:, None, :, None, :].expand(d, 1, m, g, k.shape[2]).reshape(d, 1, m * g, -1)
+    out, lse = _attend(groups_q, k, v, allowed, scale)
     for group in plan.groups:
         ks, vs = gather_kv(layer, group.shared_pages, group.shared_pages.shape[0] * bs)
-        m = group.members.shape[0]
-        gq = groups_q[group.members].permute(1, 0, 2, 3).reshape(1, hkv, -1, dim)  # [1, Hkv, m*G, D]
+        n = group.members.shape[0]
+        gq = groups_q[group.members].transpose(0, 1).reshape(1, hkv, -1, dim)  # [1, Hkv, n*m*G, D]
         everything = torch.ones((1, 1, 1, ks.shape[0]), dtype=torch.bool, device=q.device)
         s_out, s_lse = _attend(gq, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], everything, scale)
-        s_out = s_out.view(hkv, m, -1, dim).transpose(0, 1)  # [m, Hkv, G, D]
-        s_lse = s_lse.view(hkv, m, -1).transpose(0, 1)
+        s_out = s_out.view(hkv, n, -1, dim).transpose(0, 1)  # [n, Hkv, m*G, D]
+        s_lse = s_lse.view(hkv, n, -1).transpose(0, 1)
         out[group.members] = merge_states(s_out, s_lse, out[group.members], lse[group.members])
-    return out.reshape(d, hq, dim)
+    return out.view(d, hkv, m, g, dim).permute(0, 2, 1, 3, 4).reshape(d, m, hq, dim)
 
 
 def cross_attention(query: torch.Tensor, layer: torch.Tensor, cross: CrossBatch,
