@@ -217,13 +217,15 @@ class Engine:
             self.kv.check_integrity()
         return [self._output(r) for r in touched]
 
-    def _context(self, seqs: list[Sequence], q_lens: list[int], kv_lens: list[int]) -> StepContext:
-        """Paged metadata and image inputs for computing the last ``q_lens[i]`` of the first
-        ``kv_lens[i]`` positions of each sequence (slots already reserved)."""
+    def _context(self, seqs: list[Sequence], q_lens: list[int], kv_lens: list[int],
+                 images: bool = True) -> StepContext:
+        """Paged metadata and (unless ``images`` is False) image inputs for computing the last
+        ``q_lens[i]`` of the first ``kv_lens[i]`` positions of each sequence (slots reserved)."""
         meta = plan_batch([s.table.blocks for s in seqs], q_lens, kv_lens, self.kv.block_size,
                           self.device, cascade=self.cascade and self.model.cascade_allowed(max(kv_lens)))
         step = StepContext(meta, self.model.layer_views(self.kv.storage.stores[0]))
-        self._add_image_inputs(step, seqs, q_lens, kv_lens, meta.qo_indptr[:-1].tolist())
+        if images:
+            self._add_image_inputs(step, seqs, q_lens, kv_lens, meta.qo_indptr[:-1].tolist())
         return step
 
     def _run_plain(self, seqs: list[Sequence], q_lens: list[int], touched: dict[int, None]) -> None:

@@ -29,12 +29,13 @@ from typing import Callable
 
 import torch
 
+from mmkv.attention.metadata import CrossBatch
 from mmkv.models import ModelAdapter, StepContext
 from mmkv.sampler import filtered_probs
 from mmkv.sequence import Sequence
 from speculative import SpeculativeConfig, Verdict, verify_greedy, verify_sampling
 
-ContextFn = Callable[[list[Sequence], list[int], list[int]], StepContext]
+ContextFn = Callable[..., StepContext]  # (seqs, q_lens, kv_lens, images=True): the engine's step context
 
 
 @dataclass(slots=True)
@@ -91,10 +92,10 @@ class Speculator(ABC):
             drafting = [r for r, b in enumerate(live) if i < gammas[b]]
             logits = self._draft_pass([seqs[b] for b in live], [inputs[b] for b in live],
                                       [lens[b] + i for b in live], drafting, live)
+            threshold = self.config.adaptive_threshold
             for row, r in enumerate(drafting):
                 b = live[r]
-                token, probs = _draft(seqs[b], logits[row])
-                threshold = self.config.adaptive_threshold
+                token, probs = _draft(seqs[b], logits[row], threshold is not None)
                 if threshold is not None and probs.max().item() < threshold:
                     gammas[b] = i  # not confident: this pass was the last one needed
                     continue
@@ -133,12 +134,21 @@ class EarlyExitSpeculator(Speculator):
                              f"SpeculativeConfig.early_exit_layer (got {k})")
         self.k = k
         self.hidden: list[list[torch.Tensor]] = []
+        self.cross: dict[tuple[int, ...], CrossBatch | None] = {}
 
     def _begin(self, batch: int) -> None:
         self.hidden = [[] for _ in range(batch)]
+        self.cross = {}
 
     def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
-        step = self.context(seqs, [1] * len(seqs), kv_lens)
+        # Generated positions see what the last prompt token sees, so a round's draft passes over
+        # the same sequences share one cross-attention plan.
+        key = tuple(live)
+        step = self.context(seqs, [1] * len(seqs), kv_lens, images=key not in self.cross)
+        if key in self.cross:
+            step.cross = self.cross[key]
+        else:
+            self.cross[key] = step.cross
         ids = torch.tensor(tokens, dtype=torch.long, device=step.batch.positions.device)
         h = self.model.run_layers(self.model.embed(ids, step), step, 0, self.k)[0]
         for r, b in enumerate(live):
@@ -168,7 +178,7 @@ class DraftModelSpeculator(Speculator):
                            torch.zeros(0, dtype=torch.long, device=input_ids.device))
 
     def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
-        step = self.context(seqs, [1] * len(seqs), kv_lens)
+        step = self.context(seqs, [1] * len(seqs), kv_lens, images=False)  # the draft reads text only
         ids = torch.tensor(tokens, dtype=torch.long, device=step.batch.positions.device)
         rows = torch.tensor(drafting, dtype=torch.long, device=ids.device)
         return self.draft.forward(ids, StepContext(step.batch, self.draft_layers), rows)
@@ -181,9 +191,10 @@ class DraftModelSpeculator(Speculator):
         return self.model.forward(ids, step, every)
 
 
-def _draft(seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """The drafted token and the distribution it was drawn from."""
+def _draft(seq: Sequence, logits: torch.Tensor, need_probs: bool) -> tuple[int, torch.Tensor | None]:
+    """The drafted token and the distribution it was drawn from (greedy: only if ``need_probs``,
+    verification needs none)."""
     if seq.params.greedy:
-        return int(logits.argmax()), torch.softmax(logits, -1)
+        return int(logits.argmax()), torch.softmax(logits, -1) if need_probs else None
     probs = filtered_probs(logits, seq.params)
     return int(torch.multinomial(probs.cpu(), 1, generator=seq.generator)), probs
