@@ -1,6 +1,6 @@
 """Train mmkv's bundled tiny VLM and its draft model on synthetic scenes and documents.
 
-    python examples/train_tiny.py --out mmkv/bundled          # the committed models (~20 min, 2 cores)
+    python examples/train_tiny.py --out mmkv/bundled          # the committed models (~26 min, 2 cores)
     python examples/train_tiny.py --out /tmp/smoke --smoke    # a few steps end to end
 
 Writes ``<out>/tiny-vlm`` (mmkv_vlm: open_clip ViT with one 32-pixel patch per grid cell of the
@@ -24,6 +24,14 @@ What makes it learn in the budget (each found by a run that failed without it):
   (``population 452,031``): once the model writes the name, finding and copying the value is the
   plain copy-what-followed-this-token-before pattern. With the value a few words after its field
   ("the population of kalomer is 452,031") the model copied all but the value's first token.
+* No loss on the values where the report states them (``value_spans``): nothing can predict them
+  there, and learning to guess them taught a prior that beat copying for the mayor's surname (the
+  model wrote one surname per first name, whatever the report said; mayor 0.18 and summaries 0.06
+  with that loss, 1.0 and 1.0 without, same steps).
+* Near-miss presence questions (``near_miss_questions``): a shape of the scene as it is, with
+  another colour, and as another kind. The commonest scene error was "yes" for a shape of the
+  asked kind in another colour; presence is still the weakest question (0.71 held out), so this
+  one is a help, not a fix.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from mmkv.eval import evaluate
 from mmkv.models import MmkvVLM
-from mmkv.synthetic import (COLOURS, POSITIONS, REPORT_FILLERS, SHAPES, SIZES, document_examples,
+from mmkv.synthetic import (COLOURS, POSITIONS, QA, REPORT_FILLERS, SHAPES, SIZES, document_examples,
                             document_prompt, random_report, random_scene, report_questions, scene_examples,
                             scene_prompt, scene_questions)
 from vision import OpenClipEncoder
@@ -145,13 +153,26 @@ def schedule(step: int, total: int, peak: float, warmup: int = 100) -> float:
 
 
 def scene_pairs(seed: int, n: int) -> list:
-    """About ``n`` (scene, question) pairs: every question kind of each scene."""
+    """About ``n`` (scene, question) pairs: every question kind of each scene, and the near misses
+    of ``near_miss_questions``."""
     rng = random.Random(seed)
     pairs = []
     while len(pairs) < n:
         scene = random_scene(rng)
-        pairs += [(scene, qa) for qa in scene_questions(scene, rng)]
+        pairs += [(scene, qa) for qa in scene_questions(scene, rng) + near_miss_questions(scene, rng)]
     return pairs
+
+
+def near_miss_questions(scene, rng: random.Random) -> list[QA]:
+    """Presence questions about one of the scene's shapes as it is, with another colour and as
+    another kind: the answers hinge on colour and kind together, which a model that checks only one
+    of them gets wrong (the commonest scene error before these were added)."""
+    shape = rng.choice(scene.shapes)
+    colour = rng.choice([c for c in COLOURS if c != shape.colour])
+    kind = rng.choice([k for k in SHAPES if k != shape.kind])
+    questions = [f"is there a {shape.colour} {shape.kind}?", f"is there a {colour} {shape.kind}?",
+                 f"is there a {shape.colour} {kind}?"]
+    return [QA(q, scene.answer(q), "presence") for q in questions]
 
 
 def is_scene_step(step: int, scene_fraction: float) -> bool:
@@ -193,21 +214,41 @@ def make_batches(tokenizer, encoder: OpenClipEncoder, seed: int, steps: int, sce
 
 
 def document_sequences(tokenizer, seed: int, n: int, fillers: tuple[int, int] = REPORT_FILLERS
-                       ) -> list[tuple[list[int], int]]:
-    """``n`` reports, each followed by three instructions and answers, trained on every token:
-    packing several answers per report and predicting the report itself (whose names and values
-    recur) teaches copying far sooner than the answers alone; inference asks one question."""
+                       ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """``n`` reports, each followed by three instructions and answers, trained on every token but
+    the report's own values: packing several answers per report and predicting the report itself
+    (whose names and values recur) teaches copying far sooner than the answers alone; a value where
+    the report states it cannot be predicted, and training on it only teaches a prior that competes
+    with copying. Inference asks one question."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         report = random_report(rng, fillers)
         qas = rng.sample(report_questions(report), 3)
-        ids, _ = encode(tokenizer, document_prompt(report, qas[0].question), qas[0].answer)
+        prompt = document_prompt(report, qas[0].question)
+        ids, _ = encode(tokenizer, prompt, qas[0].answer)
         for qa in qas[1:]:
             more, _ = encode(tokenizer, f"\ninstruction: {qa.question}\nanswer:", qa.answer)
             ids += more
-        out.append((ids, [(1, len(ids))]))  # every token: names and values recur in the text
+        values = value_spans(report)
+        offsets = tokenizer(prompt, return_offsets_mapping=True)["offset_mapping"]
+        hidden = [i for i, (a, b) in enumerate(offsets) if any(a < end and b > start for start, end in values)]
+        bounds = [0, *hidden, len(ids)]
+        out.append((ids, [(a + 1, b) for a, b in zip(bounds, bounds[1:]) if b > a + 1]))
     return out
+
+
+def value_spans(report) -> list[tuple[int, int]]:
+    """Character spans of the report's name and record values in its text."""
+    text = report.text
+    stated = [(f"report on {report.name}.", report.name)] + [
+        (f"{field} {getattr(report, field)}.", getattr(report, field))
+        for field in ("population", "founded", "mayor", "river", "industry")]
+    spans = []
+    for phrase, value in stated:
+        start = text.index(phrase) + len(phrase) - len(value) - 1
+        spans.append((start, start + len(value)))
+    return spans
 
 
 def corpus(seed: int) -> list[str]:
@@ -316,7 +357,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--steps", type=int, default=7000)
     parser.add_argument("--draft-steps", type=int, default=800)
     parser.add_argument("--scene-batch", type=int, default=48)
     parser.add_argument("--doc-batch", type=int, default=16)
