@@ -77,6 +77,20 @@ def test_mixed_batch_matches_dense(cascade, window):
         start += q
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_one_decoding_sequence_matches_dense(window):
+    seqs = [(11, 1, None, 0)]
+    layer, tables, kvs, g = build(seqs)
+    (k, v), table = kvs[0], tables[0]
+    for pos in range(11):
+        layer[table[pos // BS], 0, pos % BS] = k[pos]
+        layer[table[pos // BS], 1, pos % BS] = v[pos]
+    batch = plan_batch(tables, [1], [11], BS, torch.device("cpu"))
+    query = torch.randn(1, HQ, D, generator=g)
+    out = attention(query, layer, batch, scale=D ** -0.5, sliding_window=window)
+    torch.testing.assert_close(out, dense_reference(query, k, v, 11, D ** -0.5, window), atol=1e-5, rtol=1e-5)
+
+
 def test_metadata_is_flashinfer_format():
     batch = plan_batch([[7, 3, 9], [7, 3, 5, 6]], [2, 1], [10, 13], BS, torch.device("cpu"))
     assert batch.qo_indptr.tolist() == [0, 2, 3] and batch.qo_indptr.dtype == torch.int32

@@ -41,6 +41,7 @@ class DecodePlan:
     rows: torch.Tensor  # long [d, m], packed token row of each sequence's queries
     pages: torch.Tensor  # long [d, max_pages], each sequence's pages after its shared ones (padded)
     lens: torch.Tensor  # long [d], KV tokens in those pages
+    host_lens: list[int]  # the same, on the host
     positions: torch.Tensor  # long [d, m], absolute position of each query
     groups: list[CascadeGroup]
 
@@ -146,11 +147,11 @@ def _plan_decode(ids: list[int], pages: list[list[int]], q_lens: list[int], kv_l
     padded = [s + [s[-1]] * (width - len(s)) for s in suffix]
     m = max(q_lens[i] for i in ids)
     rows = [[qo[i] + min(j, q_lens[i] - 1) for j in range(m)] for i in ids]
+    lens = [kv_lens[i] - shared[i] * block_size for i in ids]
     return DecodePlan(
         rows=torch.tensor(rows, dtype=torch.long, device=device),
         pages=torch.tensor(padded, dtype=torch.long, device=device),
-        lens=torch.tensor([kv_lens[i] - shared[i] * block_size for i in ids], dtype=torch.long,
-                          device=device),
+        lens=torch.tensor(lens, dtype=torch.long, device=device), host_lens=lens,
         positions=torch.tensor([[kv_lens[i] - q_lens[i] + min(j, q_lens[i] - 1) for j in range(m)]
                                 for i in ids], dtype=torch.long, device=device),
         groups=groups,

@@ -104,6 +104,11 @@ def _decode(q: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale: floa
     """Attention of ``d`` sequences' short queries ``[d, m, Hq, D]`` (padded to ``m`` each)."""
     plan = batch.decode
     d, m, hq, dim = q.shape
+    if d == 1 and m == 1 and not plan.groups and window is None:  # one token over its whole past
+        k, v = gather_kv(layer, plan.pages[0], plan.host_lens[0])
+        o = F.scaled_dot_product_attention(q[0].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)[None]
     hkv = layer.shape[3]
     g = hq // hkv
     # [d, Hkv, m*G, D]: each KV head's queries, query-major
