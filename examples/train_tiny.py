@@ -5,7 +5,7 @@
 
 Writes ``<out>/tiny-vlm`` (mmkv_vlm: open_clip ViT with one 32-pixel patch per grid cell of the
 96-pixel scenes, projector, 8-layer Llama-family LM of width 128 with cross-attention at layers 1,
-4 and 7, and an early-exit head after layer 3 trained LayerSkip-style), ``<out>/tiny-draft`` (a
+4 and 7, and early exits after layers 2 and 3 trained LayerSkip-style), ``<out>/tiny-draft`` (a
 2-layer Llama on the same tokenizer), ``<out>/loss.png`` and ``<out>/training.json`` (arguments,
 time, final losses, held-out accuracy). Deterministic from ``--seed``: data, initialisation and
 batch order.
@@ -91,7 +91,7 @@ def vlm_config(args, tokenizer: PreTrainedTokenizerFast) -> dict:
                         "pad_token_id": tokenizer.pad_token_id},
         "image_token_id": tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         "question_template": scene_prompt("{question}"),
-        "early_exit_layer": args.early_exit_layer,
+        "early_exit_layer": args.early_exit_layers[0],
     }
 
 
@@ -130,9 +130,11 @@ def cell_labels(scene) -> list[int]:
     return labels
 
 
-def vlm_losses(model: MmkvVLM, probe: torch.nn.Module, ids, labels, pixels, cells, exit_layer: int):
-    """Final-layer loss, early-exit loss (first k layers + shared norm and head) and the vision
-    probe loss (what each patch shows, which teaches the tower to see before the LM can read it)."""
+def vlm_losses(model: MmkvVLM, probe: torch.nn.Module, ids, labels, pixels, cells,
+               exit_layers: list[int]):
+    """Final-layer loss, early-exit losses (first k layers + shared norm and head, for each k) and
+    the vision probe loss (what each patch shows, which teaches the tower to see before the LM can
+    read it)."""
     lm = model.language_model
     kwargs = {}
     probe_loss = torch.zeros(())
@@ -142,8 +144,17 @@ def vlm_losses(model: MmkvVLM, probe: torch.nn.Module, ids, labels, pixels, cell
         kwargs = model.image_inputs(model.project(tokens), ids.shape[1])
     out = lm.model(input_ids=ids, output_hidden_states=True, use_cache=False, **kwargs)
     final = lm.lm_head(out.last_hidden_state)
-    early = lm.lm_head(lm.model.norm(out.hidden_states[exit_layer]))
-    return lm_loss(final, labels), lm_loss(early, labels), probe_loss
+    early = [lm_loss(lm.lm_head(lm.model.norm(after_layers(model, out.hidden_states, k, bool(kwargs)))),
+                     labels) for k in exit_layers]
+    return lm_loss(final, labels), early, probe_loss
+
+
+def after_layers(model: MmkvVLM, hidden_states: tuple, k: int, with_image: bool) -> torch.Tensor:
+    """The hidden state after the first ``k`` layers. transformers records one state per layer
+    that ran, and text without an image skips the cross-attention layers (the engine runs them as
+    the identity), so for text the index counts only the layers that ran."""
+    skipped = 0 if with_image else sum(c < k for c in model.language_model.config.cross_attention_layers)
+    return hidden_states[k - skipped]
 
 
 def schedule(step: int, total: int, peak: float, warmup: int = 100) -> float:
@@ -279,16 +290,17 @@ def train_vlm(args, tokenizer, history: dict) -> MmkvVLM:
     for step, (ids, labels, pixels, cells) in enumerate(bar):
         for group in opt.param_groups:
             group["lr"] = schedule(step, args.steps, args.lr)
-        final, early, seen = vlm_losses(model, probe, ids, labels, pixels, cells, args.early_exit_layer)
-        loss = final + args.early_exit_weight * early + seen
+        final, early, seen = vlm_losses(model, probe, ids, labels, pixels, cells, args.early_exit_layers)
+        loss = final + args.early_exit_weight * sum(early) + seen
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         key = "scene" if pixels is not None else "document"
         history[f"vlm_{key}"].append((step, final.item()))
-        history[f"vlm_{key}_early_exit"].append((step, early.item()))
-        bar.set_postfix(loss=f"{final.item():.3f}", early=f"{early.item():.3f}")
+        for k, e in zip(args.early_exit_layers, early):
+            history[f"vlm_{key}_exit{k}"].append((step, e.item()))
+        bar.set_postfix(loss=f"{final.item():.3f}", early=f"{early[0].item():.3f}")
     return model.eval()
 
 
@@ -368,7 +380,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--cross-layers", type=int, nargs="+", default=[1, 4, 7])
-    parser.add_argument("--early-exit-layer", type=int, default=3)
+    parser.add_argument("--early-exit-layers", type=int, nargs="+", default=[2, 3],
+                        help="draft depths trained LayerSkip-style; the first is the model's default")
     parser.add_argument("--scene-fraction", type=float, default=0.31)
     parser.add_argument("--curriculum", type=float, default=0.5,
                         help="fraction of training over which reports grow to full length")
@@ -382,8 +395,9 @@ def main() -> None:
     random.seed(args.seed)
     start = time.time()
     tokenizer = train_tokenizer(corpus(args.seed), 200 if args.smoke else args.vocab)
-    history = {k: [] for k in ("vlm_scene", "vlm_scene_early_exit", "vlm_document",
-                               "vlm_document_early_exit", "draft")}
+    history = {f"vlm_{kind}{exit}": [] for kind in ("scene", "document")
+               for exit in ["", *(f"_exit{k}" for k in args.early_exit_layers)]}
+    history["draft"] = []
     vlm = train_vlm(args, tokenizer, history)
     draft = train_draft(args, tokenizer, history)
     vlm_dir, draft_dir = args.out / "tiny-vlm", args.out / "tiny-draft"

@@ -1,11 +1,15 @@
 """Speculative decoding in the engine: exact greedy output, the target's sampling distribution,
 no trace of rejected drafts, and no blocks of its own."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from mmkv import Engine, SamplingParams
+from mmkv.models import MmkvVLM
 from speculative import SpeculativeConfig
 from test_engine_oracle import BLOCK_BYTES, prompts
 from tiny_vlms import IMAGE_TOKEN, picture
@@ -77,6 +81,36 @@ def test_early_exit_on_a_cross_attention_vlm_uses_the_shared_image_kv(vlm_dirs):
     stats = eng.stats()
     assert stats["encoder_calls"] == 2 and stats["xattn_blocks_computed"] == plain.stats()["xattn_blocks_computed"]
     assert eng.kv.layout == plain.kv.layout  # the draft keeps no K/V of its own
+
+
+@pytest.mark.parametrize("k", [1, 2])  # layers 0 and 2 of 4 run for text; 1 and 3 are cross layers
+def test_training_script_trains_the_exit_the_engine_drafts_from(vlm_dirs, k):
+    """examples/train_tiny.py takes the early-exit state from transformers' recorded hidden states;
+    text without an image skips the cross-attention layers there, so its index must count only
+    the layers that ran (an index of k once trained documents' exit one layer too deep)."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from train_tiny import after_layers
+
+    eng = spec_engine(vlm_dirs["mmkv_vlm"], blocks=2048, k=k, gamma=3)
+    spec, drafted = eng.speculator, []
+    draft_pass = spec._draft_pass
+
+    def recording(seqs, tokens, kv_lens, drafting, live):
+        logits = draft_pass(seqs, tokens, kv_lens, drafting, live)
+        drafted.append((kv_lens[0] - 1, tokens[0], spec.hidden[live[0]][-1].clone()))
+        return logits
+
+    spec._draft_pass = recording
+    prompt = list(b"text only, no image")
+    ids = prompt + eng.generate([prompt], GREEDY)[0].token_ids
+    model = MmkvVLM.from_pretrained(vlm_dirs["mmkv_vlm"]).eval()
+    with torch.no_grad():
+        states = model.language_model.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    want = after_layers(model, states, k, with_image=False)[0]
+    checked = [(pos, h) for pos, token, h in drafted if ids[pos] == token]
+    assert len(checked) >= 10
+    for pos, h in checked:
+        torch.testing.assert_close(h, want[pos], atol=1e-4, rtol=1e-4)
 
 
 def test_rejection_sampling_keeps_the_target_distribution(tmp_path):

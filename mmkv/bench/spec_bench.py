@@ -34,13 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL)
     p.add_argument("--draft", type=Path, default=DRAFT_MODEL)
     p.add_argument("--requests", type=int, default=16, help="per workload")
-    p.add_argument("--num-tokens", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--num-tokens", type=int, default=6, help="most draft tokens per round")
     p.add_argument("--early-exit-layer", type=int, default=None,
                    help="draft depth for early exit (default: the model's early_exit_layer)")
-    p.add_argument("--adaptive-threshold", type=float, default=None,
+    p.add_argument("--adaptive-threshold", type=float, default=0.5,
                    help="stop a round's drafting once the draft's top probability falls below this "
-                        "(transformers' assisted generation stops at 0.4 by default)")
-    p.add_argument("--sweep", default="1,2,3,4,6", help="draft lengths for the chart")
+                        "(transformers' assisted generation stops at 0.4 by default); 0: never")
+    p.add_argument("--sweep", default="1,2,4,6,8", help="draft lengths for the chart")
     p.add_argument("--chart", type=Path, default=Path("spec_speedup.png"))
     p.add_argument("--seed", type=int, default=11)
 
@@ -86,12 +86,12 @@ def run(args: argparse.Namespace) -> dict:
     loads = workloads(args.requests, args.seed)
     everything = loads["scenes"] + loads["documents"]
     early_exit = SpeculativeConfig(num_tokens=args.num_tokens, early_exit_layer=args.early_exit_layer,
-                                   adaptive_threshold=args.adaptive_threshold)
+                                   adaptive_threshold=args.adaptive_threshold or None)
     configs = {"plain": None, "early_exit": early_exit}
     if args.draft.exists():
         configs["draft"] = SpeculativeConfig(method="draft_model", num_tokens=args.num_tokens,
                                              draft_model=args.draft,
-                                             adaptive_threshold=args.adaptive_threshold)
+                                             adaptive_threshold=args.adaptive_threshold or None)
     result: dict = {}
     outputs: dict[str, list] = {}
     ours: dict = {}  # batch-1 document runs: what transformers also serves
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
     result["sweep_early_exit_b1"] = _sweep(args, everything)
     result["requests_per_workload"] = args.requests
     result["settings"] = {"num_tokens": args.num_tokens, "early_exit_layer": args.early_exit_layer
-                          or _early_exit_layer(args.model), "adaptive_threshold": args.adaptive_threshold}
+                          or _early_exit_layer(args.model), "adaptive_threshold": args.adaptive_threshold or None}
     return result
 
 
@@ -199,7 +199,7 @@ def _sweep(args: argparse.Namespace, prompts: list) -> dict[str, float]:
     for g in gammas:
         _, s, _ = timed_mmkv(args.model, subset, 1,
                              SpeculativeConfig(num_tokens=g, early_exit_layer=args.early_exit_layer,
-                                               adaptive_threshold=args.adaptive_threshold))
+                                               adaptive_threshold=args.adaptive_threshold or None))
         speedups[str(g)] = round(plain_s / s, 2)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(gammas, [speedups[str(g)] for g in gammas], marker="o", label="early exit, batch 1")
