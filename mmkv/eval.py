@@ -3,7 +3,8 @@
     python -m mmkv.eval --json        # the bundled model, 500 scene and 200 document questions
 
 Questions come from ``mmkv.synthetic`` with seeds the training script never uses. Every answer is
-produced twice, with prefix caching (and image sharing) on and off, and must be identical.
+produced with prefix caching (and image sharing) on, with it off, and (for a model with an early
+exit) with early-exit speculative decoding, and must be identical each time.
 The last line of ``--json`` output is one JSON object.
 """
 
@@ -16,8 +17,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from mmkv.engine import BUNDLED_MODEL, Engine
+from mmkv.models.base import read_config_json
 from mmkv.sampling_params import SamplingParams
 from mmkv.synthetic import document_examples, document_prompt, scene_examples, scene_prompt
+from speculative import SpeculativeConfig
 
 EVAL_SEED = 7  # training seeds start at 1000
 MAX_ANSWER_TOKENS = 64
@@ -34,9 +37,10 @@ def questions(scenes: int, documents: int, seed: int = EVAL_SEED) -> list[tuple[
     return out
 
 
-def answer_all(model: Path, prompts: list, caching: bool) -> tuple[list[str], float, dict]:
+def answer_all(model: Path, prompts: list, caching: bool,
+               speculative: SpeculativeConfig | None = None) -> tuple[list[str], float, dict]:
     engine = Engine(model, kv_cache_memory="512MiB", host_kv_memory="64MiB",
-                    enable_prefix_caching=caching)
+                    enable_prefix_caching=caching, speculative=speculative)
     start = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_ANSWER_TOKENS))
     return [o.text.strip() for o in outs], time.perf_counter() - start, engine.stats()
@@ -47,6 +51,10 @@ def evaluate(model: Path, scenes: int, documents: int, seed: int = EVAL_SEED) ->
     prompts = [p for p, *_ in items]
     cached, cached_s, stats = answer_all(model, prompts, caching=True)
     plain, plain_s, _ = answer_all(model, prompts, caching=False)
+    speculated = None
+    if read_config_json(model).get("early_exit_layer") is not None:
+        speculated, _, _ = answer_all(model, prompts, caching=True, speculative=SpeculativeConfig(
+            method="early_exit", num_tokens=6, adaptive_threshold=0.5))
     right: dict[str, list[bool]] = defaultdict(list)
     for got, (_, want, task, kind) in zip(cached, items):
         right[task].append(got == want)
@@ -58,6 +66,7 @@ def evaluate(model: Path, scenes: int, documents: int, seed: int = EVAL_SEED) ->
         "scene_questions": scenes,
         "document_questions": documents,
         "identical_with_and_without_caching": cached == plain,
+        "identical_with_speculation": None if speculated is None else speculated == cached,
         "seconds_with_caching": round(cached_s, 2),
         "seconds_without_caching": round(plain_s, 2),
         "encoder_calls": stats.get("encoder_calls", 0),

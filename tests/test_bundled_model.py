@@ -20,11 +20,11 @@ def test_bundled_model_is_small_and_loads_by_default():
     assert engine.model.vision is not None and engine.tokenizer is not None
 
 
-def test_bundled_model_reaches_its_accuracy_identically_with_and_without_caching():
+def test_bundled_model_reaches_its_accuracy_identically_with_caching_and_speculation():
     """50 held-out scene and 50 document questions (a seed neither training nor the README's eval
-    uses), answered with prefix caching on and off."""
+    uses), answered with prefix caching on and off and with early-exit speculation."""
     result = evaluate(BUNDLED_MODEL, scenes=50, documents=50, seed=123)
-    assert result["identical_with_and_without_caching"]
+    assert result["identical_with_and_without_caching"] and result["identical_with_speculation"]
     assert result["scene_accuracy"] >= 0.9, result
     assert result["document_accuracy"] >= 0.9, result
 
