@@ -77,18 +77,20 @@ def test_mixed_batch_matches_dense(cascade, window):
         start += q
 
 
+@pytest.mark.parametrize("q_len", [1, 5])
 @pytest.mark.parametrize("window", [None, 5])
-def test_one_decoding_sequence_matches_dense(window):
-    seqs = [(11, 1, None, 0)]
-    layer, tables, kvs, g = build(seqs)
+def test_one_short_query_sequence_matches_dense(q_len, window):
+    """A decode step or a verification alone in its batch (the path without padding)."""
+    layer, tables, kvs, g = build([(11, q_len, None, 0)])
     (k, v), table = kvs[0], tables[0]
     for pos in range(11):
         layer[table[pos // BS], 0, pos % BS] = k[pos]
         layer[table[pos // BS], 1, pos % BS] = v[pos]
-    batch = plan_batch(tables, [1], [11], BS, torch.device("cpu"))
-    query = torch.randn(1, HQ, D, generator=g)
+    batch = plan_batch(tables, [q_len], [11], BS, torch.device("cpu"))
+    query = torch.randn(q_len, HQ, D, generator=g)
     out = attention(query, layer, batch, scale=D ** -0.5, sliding_window=window)
-    torch.testing.assert_close(out, dense_reference(query, k, v, 11, D ** -0.5, window), atol=1e-5, rtol=1e-5)
+    want = dense_reference(query, k, v, 11, D ** -0.5, window)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 def test_metadata_is_flashinfer_format():

@@ -44,7 +44,7 @@ def attention(query: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale
     for i in batch.prefill:
         k, v = gather_kv(layer, batch.pages[i], batch.kv_lens[i])
         start, end = qo[i], qo[i + 1]
-        out[start:end] = _prefill_one(query[start:end], k, v, batch.kv_lens[i], scale, sliding_window)
+        out[start:end] = _attend_one(query[start:end], k, v, batch.kv_lens[i], scale, sliding_window)
     if batch.decode is not None:
         plan = batch.decode
         out[plan.rows] = _decode(query[plan.rows], layer, batch, scale, sliding_window)
@@ -59,12 +59,13 @@ def _causal_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.
     return allowed
 
 
-def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, scale: float,
-                 window: int | None) -> torch.Tensor:
+def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, scale: float,
+                window: int | None) -> torch.Tensor:
+    """One sequence's ``n`` queries (its last ``n`` positions) over its ``kv_len`` keys."""
     n = q.shape[0]
     kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, H, L, D]
-    if n == kv_len and window is None and n <= QUERY_CHUNK:  # plain causal: SDPA's fast path
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kt, vt, is_causal=True,
+    if window is None and (n == 1 or n == kv_len) and n <= QUERY_CHUNK:  # no mask, or SDPA's causal one
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kt, vt, is_causal=n > 1,
                                            scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)
     out = torch.empty_like(q)
@@ -104,11 +105,9 @@ def _decode(q: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale: floa
     """Attention of ``d`` sequences' short queries ``[d, m, Hq, D]`` (padded to ``m`` each)."""
     plan = batch.decode
     d, m, hq, dim = q.shape
-    if d == 1 and m == 1 and not plan.groups and window is None:  # one token over its whole past
+    if d == 1 and not plan.groups:  # one sequence: no padding to mask, no states to merge
         k, v = gather_kv(layer, plan.pages[0], plan.host_lens[0])
-        o = F.scaled_dot_product_attention(q[0].transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], scale=scale, enable_gqa=True)
-        return o[0].transpose(0, 1)[None]
+        return _attend_one(q[0], k, v, plan.host_lens[0], scale, window)[None]
     hkv = layer.shape[3]
     g = hq // hkv
     # [d, Hkv, m*G, D]: each KV head's queries, query-major
