@@ -1,7 +1,7 @@
 """Speculative decoding on the bundled model: the same answers, fewer target passes.
 
 Describes a few scenes and summarises a few reports with plain greedy decoding, with the model's
-own early exit as the draft, and with the bundled separate draft model (up to six draft tokens a
+own early exit as the draft, and with the bundled separate draft model (up to ten draft tokens a
 round, stopping when the draft's confidence falls below 0.5), one request at a time;
 prints tokens per second, acceptance and whether every output is identical.
 
@@ -33,8 +33,8 @@ def main() -> None:
     prompts += [document_prompt(random_report(rng), "summarise the report.") for _ in range(args.requests)]
     variants = {
         "plain": None,
-        "early exit": SpeculativeConfig(method="early_exit", num_tokens=6, adaptive_threshold=0.5),
-        "draft model": SpeculativeConfig(method="draft_model", num_tokens=6, adaptive_threshold=0.5,
+        "early exit": SpeculativeConfig(method="early_exit", num_tokens=10, adaptive_threshold=0.5),
+        "draft model": SpeculativeConfig(method="draft_model", num_tokens=10, adaptive_threshold=0.5,
                                          draft_model=BUNDLED_MODEL.parent / "tiny-draft"),
     }
     reference, plain_rate = None, None

@@ -54,7 +54,7 @@ def evaluate(model: Path, scenes: int, documents: int, seed: int = EVAL_SEED) ->
     speculated = None
     if read_config_json(model).get("early_exit_layer") is not None:
         speculated, _, _ = answer_all(model, prompts, caching=True, speculative=SpeculativeConfig(
-            method="early_exit", num_tokens=6, adaptive_threshold=0.5))
+            method="early_exit", num_tokens=10, adaptive_threshold=0.5))
     right: dict[str, list[bool]] = defaultdict(list)
     for got, (_, want, task, kind) in zip(cached, items):
         right[task].append(got == want)

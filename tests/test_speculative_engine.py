@@ -70,6 +70,15 @@ def test_early_exit_with_prefix_hits_preemption_and_adaptive_drafting(model_dirs
     assert stats["blocks_in_use"] == 0
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"method": "medusa"}, "method"), ({"num_tokens": 0}, "num_tokens"),
+    ({"adaptive_threshold": 1.5}, "adaptive_threshold"),
+    ({"method": "draft_model"}, "draft_model")])
+def test_bad_speculative_settings_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(**kwargs)
+
+
 def test_early_exit_on_a_cross_attention_vlm_uses_the_shared_image_kv(vlm_dirs):
     requests = [{"prompt": [IMAGE_TOKEN] + list(b"question %d?" % i), "images": [picture(i % 2)]}
                 for i in range(6)] + [list(b"text only")]

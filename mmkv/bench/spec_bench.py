@@ -34,13 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL)
     p.add_argument("--draft", type=Path, default=DRAFT_MODEL)
     p.add_argument("--requests", type=int, default=16, help="per workload")
-    p.add_argument("--num-tokens", type=int, default=6, help="most draft tokens per round")
+    p.add_argument("--num-tokens", type=int, default=10, help="most draft tokens per round")
     p.add_argument("--early-exit-layer", type=int, default=None,
                    help="draft depth for early exit (default: the model's early_exit_layer)")
     p.add_argument("--adaptive-threshold", type=float, default=0.5,
                    help="stop a round's drafting once the draft's top probability falls below this "
                         "(transformers' assisted generation stops at 0.4 by default); 0: never")
-    p.add_argument("--sweep", default="1,2,4,6,8", help="draft lengths for the chart")
+    p.add_argument("--sweep", default="1,2,4,6,8,10,12", help="draft lengths for the chart")
     p.add_argument("--chart", type=Path, default=Path("spec_speedup.png"))
     p.add_argument("--seed", type=int, default=11)
 
