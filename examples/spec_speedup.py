@@ -15,7 +15,7 @@ import random
 import time
 
 from mmkv import Engine, SamplingParams
-from mmkv.engine import BUNDLED_MODEL
+from mmkv.engine import BUNDLED_MODEL, BUNDLED_SPECULATION
 from mmkv.synthetic import document_prompt, random_report, random_scene, scene_prompt
 from speculative import SpeculativeConfig
 
@@ -33,8 +33,8 @@ def main() -> None:
     prompts += [document_prompt(random_report(rng), "summarise the report.") for _ in range(args.requests)]
     variants = {
         "plain": None,
-        "early exit": SpeculativeConfig(method="early_exit", num_tokens=10, adaptive_threshold=0.5),
-        "draft model": SpeculativeConfig(method="draft_model", num_tokens=10, adaptive_threshold=0.5,
+        "early exit": SpeculativeConfig(method="early_exit", **BUNDLED_SPECULATION),
+        "draft model": SpeculativeConfig(method="draft_model", **BUNDLED_SPECULATION,
                                          draft_model=BUNDLED_MODEL.parent / "tiny-draft"),
     }
     reference, plain_rate = None, None

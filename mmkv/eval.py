@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from mmkv.engine import BUNDLED_MODEL, Engine
+from mmkv.engine import BUNDLED_MODEL, BUNDLED_SPECULATION, Engine
 from mmkv.models.base import read_config_json
 from mmkv.sampling_params import SamplingParams
 from mmkv.synthetic import document_examples, document_prompt, scene_examples, scene_prompt
@@ -53,8 +53,8 @@ def evaluate(model: Path, scenes: int, documents: int, seed: int = EVAL_SEED) ->
     plain, plain_s, _ = answer_all(model, prompts, caching=False)
     speculated = None
     if read_config_json(model).get("early_exit_layer") is not None:
-        speculated, _, _ = answer_all(model, prompts, caching=True, speculative=SpeculativeConfig(
-            method="early_exit", num_tokens=10, adaptive_threshold=0.5))
+        speculated, _, _ = answer_all(model, prompts, caching=True,
+                                      speculative=SpeculativeConfig(**BUNDLED_SPECULATION))
     right: dict[str, list[bool]] = defaultdict(list)
     for got, (_, want, task, kind) in zip(cached, items):
         right[task].append(got == want)

@@ -84,6 +84,7 @@ class Speculator(ABC):
         inputs = [s.token_ids[-1] for s in seqs]
         drafts: list[list[int]] = [[] for _ in seqs]
         draft_probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        threshold = self.config.adaptive_threshold
         self._begin(len(seqs))
         for i in range(max(gammas) + 1):
             live = [b for b in range(len(seqs)) if i <= gammas[b]]
@@ -92,7 +93,6 @@ class Speculator(ABC):
             drafting = [r for r, b in enumerate(live) if i < gammas[b]]
             logits = self._draft_pass([seqs[b] for b in live], [inputs[b] for b in live],
                                       [lens[b] + i for b in live], drafting, live)
-            threshold = self.config.adaptive_threshold
             for row, r in enumerate(drafting):
                 b = live[r]
                 token, probs = _draft(seqs[b], logits[row], threshold is not None)

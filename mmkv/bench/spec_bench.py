@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mmkv import Engine, SamplingParams
-from mmkv.engine import BUNDLED_MODEL
+from mmkv.engine import BUNDLED_MODEL, BUNDLED_SPECULATION
 from mmkv.models import MmkvVLM
 from mmkv.models.base import read_config_json
 from mmkv.speculation import SpeculationStats
@@ -34,10 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL)
     p.add_argument("--draft", type=Path, default=DRAFT_MODEL)
     p.add_argument("--requests", type=int, default=16, help="per workload")
-    p.add_argument("--num-tokens", type=int, default=10, help="most draft tokens per round")
+    p.add_argument("--num-tokens", type=int, default=BUNDLED_SPECULATION["num_tokens"],
+                   help="most draft tokens per round")
     p.add_argument("--early-exit-layer", type=int, default=None,
                    help="draft depth for early exit (default: the model's early_exit_layer)")
-    p.add_argument("--adaptive-threshold", type=float, default=0.5,
+    p.add_argument("--adaptive-threshold", type=float, default=BUNDLED_SPECULATION["adaptive_threshold"],
                    help="stop a round's drafting once the draft's top probability falls below this "
                         "(transformers' assisted generation stops at 0.4 by default); 0: never")
     p.add_argument("--sweep", default="1,2,4,6,8,10,12", help="draft lengths for the chart")
@@ -85,9 +86,7 @@ def tokens(outs: list[list[int]]) -> int:
 def run(args: argparse.Namespace) -> dict:
     loads = workloads(args.requests, args.seed)
     everything = loads["scenes"] + loads["documents"]
-    early_exit = SpeculativeConfig(num_tokens=args.num_tokens, early_exit_layer=args.early_exit_layer,
-                                   adaptive_threshold=args.adaptive_threshold or None)
-    configs = {"plain": None, "early_exit": early_exit}
+    configs = {"plain": None, "early_exit": _early_exit(args, args.num_tokens)}
     if args.draft.exists():
         configs["draft"] = SpeculativeConfig(method="draft_model", num_tokens=args.num_tokens,
                                              draft_model=args.draft,
@@ -156,9 +155,15 @@ def run(args: argparse.Namespace) -> dict:
                                and all([_until_eos(x, eos) for x in v] == reference for v in docs_variants))
     result["sweep_early_exit_b1"] = _sweep(args, everything)
     result["requests_per_workload"] = args.requests
-    result["settings"] = {"num_tokens": args.num_tokens, "early_exit_layer": args.early_exit_layer
-                          or _early_exit_layer(args.model), "adaptive_threshold": args.adaptive_threshold or None}
+    result["settings"] = {"num_tokens": args.num_tokens,
+                          "early_exit_layer": args.early_exit_layer or _early_exit_layer(args.model),
+                          "adaptive_threshold": args.adaptive_threshold or None}
     return result
+
+
+def _early_exit(args: argparse.Namespace, num_tokens: int) -> SpeculativeConfig:
+    return SpeculativeConfig(num_tokens=num_tokens, early_exit_layer=args.early_exit_layer,
+                             adaptive_threshold=args.adaptive_threshold or None)
 
 
 def _merged_stats(stats: list[dict]) -> dict:
@@ -197,9 +202,7 @@ def _sweep(args: argparse.Namespace, prompts: list) -> dict[str, float]:
     gammas = [int(g) for g in args.sweep.split(",")]
     speedups = {}
     for g in gammas:
-        _, s, _ = timed_mmkv(args.model, subset, 1,
-                             SpeculativeConfig(num_tokens=g, early_exit_layer=args.early_exit_layer,
-                                               adaptive_threshold=args.adaptive_threshold or None))
+        _, s, _ = timed_mmkv(args.model, subset, 1, _early_exit(args, g))
         speedups[str(g)] = round(plain_s / s, 2)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(gammas, [speedups[str(g)] for g in gammas], marker="o", label="early exit, batch 1")
