@@ -28,10 +28,11 @@ def write_kv(layer: torch.Tensor, batch: PagedBatch, key: torch.Tensor, value: t
 
 
 def gather_kv(layer: torch.Tensor, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[length, kv_heads, head_dim]`` of a page list."""
+    """K and V ``[length, kv_heads, head_dim]`` of a page list (``index_select`` copies whole
+    pages, several times faster than advanced indexing)."""
     _, _, _, h, d = layer.shape
-    k = layer[:, 0][pages].view(-1, h, d)[:length]
-    v = layer[:, 1][pages].view(-1, h, d)[:length]
+    k = layer[:, 0].index_select(0, pages).view(-1, h, d)[:length]
+    v = layer[:, 1].index_select(0, pages).view(-1, h, d)[:length]
     return k, v
 
 
@@ -117,8 +118,9 @@ def _decode(q: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale: floa
     if plan.groups and not use_cascade:
         raise ValueError("cascade plans need a window covering every sequence; plan without cascade")
     # Each sequence's own pages, padded to the longest.
-    k = layer[:, 0][plan.pages].view(d, -1, hkv, dim).transpose(1, 2)  # [d, Hkv, L, D]
-    v = layer[:, 1][plan.pages].view(d, -1, hkv, dim).transpose(1, 2)
+    pages = plan.pages.view(-1)
+    k = layer[:, 0].index_select(0, pages).view(d, -1, hkv, dim).transpose(1, 2)  # [d, Hkv, L, D]
+    v = layer[:, 1].index_select(0, pages).view(d, -1, hkv, dim).transpose(1, 2)
     index = torch.arange(k.shape[2], device=q.device)
     kv_pos = (plan.positions[:, -1] - plan.lens + 1)[:, None] + index[None, :]  # [d, L]
     allowed = (index[None, :] < plan.lens[:, None])[:, None, :] \
