@@ -273,7 +273,7 @@ class Engine:
 
     def _run_speculative(self, seqs: list[Sequence], gammas: list[int],
                          touched: dict[int, None]) -> None:
-        verdicts = self.speculator.round(seqs, gammas)
+        verdicts = self.speculator.round(seqs, gammas, [self._stop_tokens(s) for s in seqs])
         for seq, verdict in zip(seqs, verdicts):
             valid = len(seq.token_ids) + verdict.accepted  # positions whose K/V is the target's
             self.kv.truncate(seq.table, valid)
@@ -349,9 +349,14 @@ class Engine:
             children.append(child)
         return children
 
+    def _stop_tokens(self, seq: Sequence) -> set[int]:
+        """Tokens that end ``seq`` when generated."""
+        p = seq.params
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        if token in self._stop_tokens(seq):
             return "stop"
         if p.stop and self.tokenizer is not None:
             text = self._detokenize(seq.output_ids)

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from mmkv.attention.metadata import CrossBatch
+from mmkv.attention.metadata import next_position
 from mmkv.models import ModelAdapter, StepContext
 from mmkv.sampler import filtered_probs
 from mmkv.sequence import Sequence
@@ -60,6 +60,7 @@ class Speculator(ABC):
     def __init__(self, model: ModelAdapter, config: SpeculativeConfig, context: ContextFn) -> None:
         self.model, self.config, self.context = model, config, context
         self.stats = SpeculationStats()
+        self._previous: tuple[tuple[int, ...], StepContext] | None = None  # the last draft pass
 
     def follow(self, input_ids: torch.Tensor, step: StepContext) -> None:
         """Called after every plain target step on the same tokens (draft stores stay in step)."""
@@ -76,9 +77,11 @@ class Speculator(ABC):
         """The target's logits at the ``gamma + 1`` positions of every sequence, packed."""
 
     @torch.inference_mode()
-    def round(self, seqs: list[Sequence], gammas: list[int]) -> list[Verdict]:
+    def round(self, seqs: list[Sequence], gammas: list[int],
+              stop_tokens: list[set[int]]) -> list[Verdict]:
         """Draft up to ``gammas[i]`` tokens for each sequence and verify them. Each table must
-        have slots reserved up to ``len(token_ids) + gammas[i] - 1``."""
+        have slots reserved up to ``len(token_ids) + gammas[i] - 1``. A sequence drafts nothing
+        after one of its ``stop_tokens`` (it would end there)."""
         lens = [len(s.token_ids) for s in seqs]
         gammas = list(gammas)
         inputs = [s.token_ids[-1] for s in seqs]
@@ -102,6 +105,8 @@ class Speculator(ABC):
                 drafts[b].append(token)
                 draft_probs[b].append(probs)
                 inputs[b] = token
+                if token in stop_tokens[b]:
+                    gammas[b] = i + 1  # one more pass completes this draft's K/V
         logits = self._verify_logits(seqs, gammas, drafts, lens)
         verdicts, row = [], 0
         for seq, g, d, q in zip(seqs, gammas, drafts, draft_probs):
@@ -121,6 +126,25 @@ class Speculator(ABC):
 
     def _begin(self, batch: int) -> None:
         """A round starts for ``batch`` sequences."""
+        self._previous = None
+
+    def _draft_context(self, seqs: list[Sequence], kv_lens: list[int], live: list[int],
+                       images: bool) -> StepContext:
+        """The step context of a draft pass (one position per sequence). While the same sequences
+        go on drafting, the previous pass's is moved on a position (planned afresh where a page
+        starts) and its cross-attention plan reused: generated positions see what the last prompt
+        token sees."""
+        key = tuple(live)
+        if self._previous is not None and self._previous[0] == key:
+            last = self._previous[1]
+            batch = next_position(last.batch)
+            step = (StepContext(batch, last.kv_layers) if batch is not None
+                    else self.context(seqs, [1] * len(seqs), kv_lens, images=False))
+            step.cross = last.cross
+        else:
+            step = self.context(seqs, [1] * len(seqs), kv_lens, images=images)
+        self._previous = (key, step)
+        return step
 
 
 class EarlyExitSpeculator(Speculator):
@@ -134,21 +158,13 @@ class EarlyExitSpeculator(Speculator):
                              f"SpeculativeConfig.early_exit_layer (got {k})")
         self.k = k
         self.hidden: list[list[torch.Tensor]] = []
-        self.cross: dict[tuple[int, ...], CrossBatch | None] = {}
 
     def _begin(self, batch: int) -> None:
+        super()._begin(batch)
         self.hidden = [[] for _ in range(batch)]
-        self.cross = {}
 
     def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
-        # Generated positions see what the last prompt token sees, so a round's draft passes over
-        # the same sequences share one cross-attention plan.
-        key = tuple(live)
-        step = self.context(seqs, [1] * len(seqs), kv_lens, images=key not in self.cross)
-        if key in self.cross:
-            step.cross = self.cross[key]
-        else:
-            self.cross[key] = step.cross
+        step = self._draft_context(seqs, kv_lens, live, images=True)
         ids = torch.tensor(tokens, dtype=torch.long, device=step.batch.positions.device)
         h = self.model.run_layers(self.model.embed(ids, step), step, 0, self.k)[0]
         for r, b in enumerate(live):
@@ -178,7 +194,7 @@ class DraftModelSpeculator(Speculator):
                            torch.zeros(0, dtype=torch.long, device=input_ids.device))
 
     def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
-        step = self.context(seqs, [1] * len(seqs), kv_lens, images=False)  # the draft reads text only
+        step = self._draft_context(seqs, kv_lens, live, images=False)  # the draft reads text only
         ids = torch.tensor(tokens, dtype=torch.long, device=step.batch.positions.device)
         rows = torch.tensor(drafting, dtype=torch.long, device=ids.device)
         return self.draft.forward(ids, StepContext(step.batch, self.draft_layers), rows)

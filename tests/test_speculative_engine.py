@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from mmkv import Engine, SamplingParams
 from mmkv.models import MmkvVLM
+from mmkv.sequence import Sequence
+from mmkv.speculation import Speculator
 from speculative import SpeculativeConfig
 from test_engine_oracle import BLOCK_BYTES, prompts
 from tiny_vlms import IMAGE_TOKEN, picture
@@ -68,6 +70,36 @@ def test_early_exit_with_prefix_hits_preemption_and_adaptive_drafting(model_dirs
     assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0
     assert stats["spec_drafted_tokens"] < 4 * stats["spec_rounds"]  # adaptive rounds stopped early
     assert stats["blocks_in_use"] == 0
+
+
+class ScriptedDraft(Speculator):
+    """A draft and a target that both continue ``script`` (every draft is accepted)."""
+
+    def __init__(self, script: list[int], vocab: int = 16) -> None:
+        super().__init__(None, SpeculativeConfig(num_tokens=8), None)
+        self.script, self.vocab, self.passes = script, vocab, 0
+
+    def _next(self, position: int) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.tensor(self.script[position]), self.vocab).float()
+
+    def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
+        self.passes += 1
+        return torch.stack([self._next(kv_lens[r]) for r in drafting]) if drafting else None
+
+    def _verify_logits(self, seqs, gammas, drafts, lens):
+        return torch.stack([self._next(n + j) for n, g in zip(lens, gammas) for j in range(g + 1)])
+
+
+def test_drafting_stops_at_a_token_that_ends_the_sequence():
+    script = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    seq = Sequence(seq_id=0, request_id=0, index=0, token_ids=script[:2], prompt_len=2,
+                   params=SamplingParams(), arrival=0, namespace=b"", generator=None)
+    spec = ScriptedDraft(script)
+    [verdict] = spec.round([seq], [8], [{5}])  # drafts 3, 4, 5; then 5 would end the sequence
+    assert verdict.tokens == [3, 4, 5, 6] and verdict.accepted == 3
+    assert spec.passes == 4  # three drafts and the pass completing the last one's K/V
+    [verdict] = spec.round([seq], [8], [set()])
+    assert verdict.accepted == 8 and spec.passes == 4 + 9
 
 
 @pytest.mark.parametrize("kwargs, message", [

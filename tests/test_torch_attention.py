@@ -3,7 +3,10 @@
 import pytest
 import torch
 
-from mmkv.attention.metadata import SHORT_QUERY, plan_batch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmkv.attention.metadata import SHORT_QUERY, next_position, plan_batch
 from mmkv.attention.torch_backend import attention, write_kv
 
 BS, HQ, HKV, D = 4, 4, 2, 8
@@ -105,3 +108,38 @@ def test_metadata_is_flashinfer_format():
     assert batch.decode.positions.tolist() == [[8, 9], [12, 12]]
     long = plan_batch([[7, 3, 9, 5, 6]], [SHORT_QUERY + 1], [SHORT_QUERY + 2], BS, torch.device("cpu"))
     assert long.prefill == [0] and long.decode is None
+
+
+def _same_metadata(a, b) -> bool:
+    def same(x, y):
+        if isinstance(x, torch.Tensor):
+            return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        if isinstance(x, list):
+            return len(x) == len(y) and all(same(u, v) for u, v in zip(x, y))
+        if hasattr(x, "__slots__"):
+            return type(x) is type(y) and all(same(getattr(x, f), getattr(y, f)) for f in x.__slots__)
+        return x == y
+    return same(a, b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 3), st.integers(0, 40)),
+                min_size=1, max_size=5), st.booleans())
+def test_next_position_equals_a_fresh_plan(seqs, cascade):
+    """Moving a one-token-per-sequence batch on by a position gives exactly the plan of the next
+    position, and declines when a page starts."""
+    tables, kv_lens = [], []
+    for i, (n, parent, shared) in enumerate(seqs):  # some sequences share leading pages
+        share = min(shared, n) // BS if i and parent < i else 0
+        table = tables[parent][:share] if share else []
+        table = table + [100 * i + j for j in range(len(table), -(-(n + 1) // BS))]
+        tables.append(table)
+        kv_lens.append(n)
+    batch = plan_batch(tables, [1] * len(seqs), kv_lens, BS, torch.device("cpu"), cascade=cascade)
+    moved = next_position(batch)
+    if any(n % BS == 0 for n in kv_lens):
+        assert moved is None
+    else:
+        fresh = plan_batch(tables, [1] * len(seqs), [n + 1 for n in kv_lens], BS,
+                           torch.device("cpu"), cascade=cascade)
+        assert _same_metadata(moved, fresh)

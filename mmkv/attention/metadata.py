@@ -18,7 +18,7 @@ attention).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -118,6 +118,23 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
         decode=_plan_decode(short, pages, q_lens, kv_lens, qo, block_size, device, cascade)
         if short else None,
     )
+
+
+def next_position(batch: PagedBatch) -> PagedBatch | None:
+    """The metadata for computing the next position of every sequence of ``batch`` (a batch of one
+    new token per sequence, e.g. a speculative draft pass after the previous one), or ``None`` when
+    a sequence's next position starts a page (plan afresh then).
+
+    Inside the pages nothing but the lengths and positions move, so this equals ``plan_batch`` on
+    the same tables with every ``kv_len`` one larger, without rebuilding every array.
+    """
+    if any(q != 1 for q in batch.q_lens) or any(n % batch.block_size == 0 for n in batch.kv_lens):
+        return None
+    plan = batch.decode
+    lens = [n + 1 for n in plan.host_lens]
+    return replace(batch, kv_last_page_len=batch.kv_last_page_len + 1, positions=batch.positions + 1,
+                   write_offsets=batch.write_offsets + 1, kv_lens=[n + 1 for n in batch.kv_lens],
+                   decode=replace(plan, lens=plan.lens + 1, host_lens=lens, positions=plan.positions + 1))
 
 
 def _plan_decode(ids: list[int], pages: list[list[int]], q_lens: list[int], kv_lens: list[int],
