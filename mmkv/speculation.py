@@ -169,7 +169,9 @@ class EarlyExitSpeculator(Speculator):
         h = self.model.run_layers(self.model.embed(ids, step), step, 0, self.k)[0]
         for r, b in enumerate(live):
             self.hidden[b].append(h[r])
-        return self.model.logits(h[drafting]) if drafting else None
+        if not drafting:
+            return None
+        return self.model.logits(h if len(drafting) == len(live) else h[drafting])
 
     def _verify_logits(self, seqs, gammas, drafts, lens):
         step = self.context(seqs, [g + 1 for g in gammas], [n + g for n, g in zip(lens, gammas)])

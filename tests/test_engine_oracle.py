@@ -125,3 +125,15 @@ def test_logits_agree_with_transformers_within_1e_4(model_dirs):
         full = model(torch.tensor([prompt + out.token_ids])).logits[0]
     want = full[len(prompt) - 1: len(prompt) - 1 + 16]
     torch.testing.assert_close(torch.stack(captured), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_rotary_table_holds_the_modules_own_values(model_dirs, family):
+    """The engine's cos/sin lookup returns exactly what the rotary module computes per step."""
+    model = engine(model_dirs, family).model
+    hidden = torch.zeros(1, 1, model.text_config.hidden_size)
+    for positions in ([0], [5], [17, 18, 19], list(range(40, 77)), [model.max_model_len - 1]):
+        ids = torch.tensor([positions])
+        got = model.rotary(hidden, ids)
+        want = model.text_model.rotary_emb(hidden, position_ids=ids)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), positions

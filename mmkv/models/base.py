@@ -146,6 +146,7 @@ class ModelAdapter:
         slots.update({layer: j for j, layer in enumerate(self.cross_layers)})
         self.layer_slots = [slots[i] for i in range(self.num_layers)]
         self.num_slots = max(len(self_layers), len(self.cross_layers))
+        self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- layout ---------------------------------------------------------------------------------
     def kv_layout(self, block_size: int) -> KVLayout:
@@ -181,7 +182,7 @@ class ModelAdapter:
                    end: int | None = None) -> torch.Tensor:
         """Layers ``[start, end)`` over packed hidden states ``[1, T, hidden]``."""
         positions = step.batch.positions[None]
-        rotary = self.text_model.rotary_emb(hidden, position_ids=positions)
+        rotary = self.rotary(hidden, positions)
         for i in range(start, self.num_layers if end is None else end):
             layer = self.text_model.layers[i]
             if i in self.cross_layers:  # families with cross layers define run_cross_layer
@@ -190,6 +191,22 @@ class ModelAdapter:
                 hidden = layer(hidden, position_embeddings=rotary, position_ids=positions,
                                mmkv_step=step)
         return hidden
+
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's cos and sin at ``positions`` ``[1, T]``. Where they depend on the
+        position alone (every RoPE type but the dynamic ones) they are read from a table the
+        module computed once for every position: the same values, one lookup instead of a cos and
+        a sin per step."""
+        module = self.text_model.rotary_emb
+        rope_type = getattr(module, "rope_type", "default")
+        if "dynamic" in rope_type or rope_type == "longrope":
+            return module(hidden, position_ids=positions)
+        if self._rotary_table is None or self._rotary_table[0].dtype != hidden.dtype:
+            every = torch.arange(self.max_model_len, device=hidden.device)[None]
+            self._rotary_table = tuple(t[0] for t in module(hidden, position_ids=every))
+        cos, sin = self._rotary_table
+        index = positions[0]
+        return cos.index_select(0, index)[None], sin.index_select(0, index)[None]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on rows ``[n, hidden]``; float32 logits."""
