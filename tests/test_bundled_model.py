@@ -57,7 +57,7 @@ def test_spec_benchmark_reports_its_figures_and_equal_outputs(tmp_path):
     """`python -m mmkv.bench spec --json` end to end on one request per workload."""
     out = subprocess.run([sys.executable, "-m", "mmkv.bench", "spec", "--json", "--requests", "1",
                           "--sweep", "1,2", "--chart", str(tmp_path / "sweep.png"),
-                          "--adaptive-threshold", "0.4"],
+                          "--adaptive-threshold", "0.4", "--repeats", "1"],
                          check=True, capture_output=True, text=True, timeout=300, cwd=ROOT).stdout
     result = json.loads(out.splitlines()[-1])
     for key in ("speedup_early_exit_b1", "speedup_early_exit_b8", "speedup_draft_b1",

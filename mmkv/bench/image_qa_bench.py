@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from transformers.models.mllama.processing_mllama import (
     convert_sparse_cross_attention_mask_to_dense, get_cross_attention_token_mask)
 
 from mmkv import Engine, SamplingParams
+from mmkv.bench import timed
 from mmkv.bench.random_models import save_random_mllama
 
 
@@ -62,16 +62,13 @@ def run(args: argparse.Namespace) -> dict:
         params = SamplingParams(max_tokens=args.a, ignore_eos=True)
         engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # warm-up, text only
         requests = [{"prompt": q, "images": [img]} for img in images for q in questions]
-        start = time.perf_counter()
-        ours = [o.token_ids for o in engine.generate(requests, params)]
-        mmkv_s = time.perf_counter() - start
+        ours, mmkv_s = timed(lambda: [o.token_ids for o in engine.generate(requests, params)])
 
         model = MllamaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
         processor = AutoImageProcessor.from_pretrained(model_dir)
         hf_answers(model, processor, images[0], questions[:1], 2)  # warm-up
-        start = time.perf_counter()
-        theirs = [a for img in images for a in hf_answers(model, processor, img, questions, args.a)]
-        hf_s = time.perf_counter() - start
+        theirs, hf_s = timed(lambda: [a for img in images
+                                      for a in hf_answers(model, processor, img, questions, args.a)])
     stats = engine.stats()
     bytes_per_block = engine.kv.bytes_per_block
     tokens = engine.model.max_tiles * engine.model.xattn_tokens_per_tile

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mmkv import Engine, SamplingParams
+from mmkv.bench import timed
 from mmkv.bench.random_models import save_random_llama
 
 
@@ -34,12 +34,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def unique_prefixes(prompts: list[list[int]]) -> int:
     """Tokens a perfect prefix cache computes: the number of distinct prompt prefixes."""
     return len({tuple(p[: i + 1]) for p in prompts for i in range(len(p))})
-
-
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
 
 
 def run_mmkv(model_dir: Path, prompts, params, block_size, **options):
