@@ -129,11 +129,15 @@ def test_logits_agree_with_transformers_within_1e_4(model_dirs):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_rotary_table_holds_the_modules_own_values(model_dirs, family):
-    """The engine's cos/sin lookup returns exactly what the rotary module computes per step."""
+    """The engine's cos/sin lookup returns exactly what the rotary module computes per step, as
+    its table grows (by doubling) to the longest position asked for."""
     model = engine(model_dirs, family).model
+    model.max_model_len = 5000  # beyond the tiny config's 512, to see the table grow
     hidden = torch.zeros(1, 1, model.text_config.hidden_size)
-    for positions in ([0], [5], [17, 18, 19], list(range(40, 77)), [model.max_model_len - 1]):
+    for positions, size in (([0], 1024), ([5], 1024), ([17, 18, 19], 1024),
+                            (list(range(1000, 1037)), 2048), ([3], 2048), ([4999], 5000)):
         ids = torch.tensor([positions])
-        got = model.rotary(hidden, ids)
+        got = model.rotary(hidden, ids, max(positions) + 1)
         want = model.text_model.rotary_emb(hidden, position_ids=ids)
         assert all(torch.equal(g, w) for g, w in zip(got, want)), positions
+        assert model._rotary_table[0].shape[0] == size

@@ -182,7 +182,7 @@ class ModelAdapter:
                    end: int | None = None) -> torch.Tensor:
         """Layers ``[start, end)`` over packed hidden states ``[1, T, hidden]``."""
         positions = step.batch.positions[None]
-        rotary = self.rotary(hidden, positions)
+        rotary = self.rotary(hidden, positions, max(step.batch.kv_lens))
         for i in range(start, self.num_layers if end is None else end):
             layer = self.text_model.layers[i]
             if i in self.cross_layers:  # families with cross layers define run_cross_layer
@@ -192,21 +192,24 @@ class ModelAdapter:
                                mmkv_step=step)
         return hidden
 
-    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary embedding's cos and sin at ``positions`` ``[1, T]``. Where they depend on the
-        position alone (every RoPE type but the dynamic ones) they are read from a table the
-        module computed once for every position: the same values, one lookup instead of a cos and
-        a sin per step."""
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor,
+               longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's cos and sin at ``positions`` ``[1, T]``, all below ``longest``.
+        Where they depend on the position alone (every RoPE type but the dynamic ones) they are
+        read from a table the module computed for the positions so far: the same values, one
+        lookup instead of a cos and a sin per step. The table grows by doubling (at least 1024
+        positions), so a long-context model pays for the lengths it serves, not its maximum."""
         module = self.text_model.rotary_emb
         rope_type = getattr(module, "rope_type", "default")
         if "dynamic" in rope_type or rope_type == "longrope":
             return module(hidden, position_ids=positions)
-        if self._rotary_table is None or self._rotary_table[0].dtype != hidden.dtype:
-            every = torch.arange(self.max_model_len, device=hidden.device)[None]
-            self._rotary_table = tuple(t[0] for t in module(hidden, position_ids=every))
-        cos, sin = self._rotary_table
+        table = self._rotary_table
+        if table is None or table[0].dtype != hidden.dtype or table[0].shape[0] < longest:
+            size = min(self.max_model_len, max(1024, 1 << (longest - 1).bit_length()))
+            every = torch.arange(size, device=hidden.device)[None]
+            table = self._rotary_table = tuple(t[0] for t in module(hidden, position_ids=every))
         index = positions[0]
-        return cos.index_select(0, index)[None], sin.index_select(0, index)[None]
+        return table[0].index_select(0, index)[None], table[1].index_select(0, index)[None]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on rows ``[n, hidden]``; float32 logits."""
