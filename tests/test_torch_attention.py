@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmkv.attention.metadata import SHORT_QUERY, next_position, plan_batch
+from mmkv.attention.metadata import SHORT_QUERY, CrossSequence, next_position, plan_batch, plan_cross
 from mmkv.attention.torch_backend import attention, write_kv
 
 BS, HQ, HKV, D = 4, 4, 2, 8
@@ -143,3 +143,54 @@ def test_next_position_equals_a_fresh_plan(seqs, cascade):
         fresh = plan_batch(tables, [1] * len(seqs), [n + 1 for n in kv_lens], BS,
                            torch.device("cpu"), cascade=cascade)
         assert _same_metadata(moved, fresh)
+
+
+@st.composite
+def cross_sequences(draw):
+    """Sequences with up to three images each (page lists sometimes shared between sequences),
+    their new rows packed one after the other."""
+    seqs, row = [], 0
+    for i in range(draw(st.integers(1, 4))):
+        images = []
+        for j in range(draw(st.integers(0, 3))):
+            pages = draw(st.sampled_from([[1, 2], [3], [100 + 10 * i + j]]))
+            tokens = draw(st.integers(1, len(pages) * BS))
+            start = draw(st.integers(0, 12))
+            images.append((pages, tokens, draw(st.integers(1, tokens)), start,
+                           draw(st.none() | st.integers(start + 1, 16))))
+        first, q = draw(st.integers(0, 20)), draw(st.integers(1, 6))
+        seqs.append(CrossSequence(rows=list(range(row, row + q)), positions=list(range(first, first + q)),
+                                  prompt_len=draw(st.integers(1, 16)), images=images))
+        row += q
+    return seqs, row
+
+
+@settings(max_examples=100, deadline=None)
+@given(cross_sequences())
+def test_cross_plan_follows_the_visibility_rule_row_by_row(case):
+    """Every row's allowed image positions and MLP mask against a direct reading of the rule: image
+    i is seen from its placeholder to its end; generated rows see what the last prompt token sees;
+    a row that sees nothing attends to every image token and its output is masked."""
+    seqs, num_rows = case
+    plan = plan_cross(seqs, num_rows, BS, torch.device("cpu"), torch.float32)
+    want, want_mask = {}, [0.0] * num_rows
+    for seq in seqs:
+        if not seq.images:
+            continue
+        pages = tuple(p for img in seq.images for p in img[0])
+        for row, pos in zip(seq.rows, seq.positions):
+            p = min(pos, seq.prompt_len - 1)
+            allowed, every = [], []
+            for img_pages, tokens, valid, start, end in seq.images:
+                seen = start <= p and (end is None or p < end)
+                allowed += [seen and k < valid for k in range(len(img_pages) * BS)]
+                every += [k < tokens for k in range(len(img_pages) * BS)]
+            want_mask[row] = float(any(allowed))
+            want[row] = (pages, allowed if any(allowed) else every)
+    got = {}
+    for group in plan.groups:
+        assert group.kv_len == len(group.pages) * BS
+        for row, allowed in zip(group.rows.tolist(), group.allowed.tolist()):
+            got[row] = (tuple(group.pages.tolist()), allowed)
+    assert got == want
+    assert plan.row_mask.tolist() == want_mask

@@ -212,33 +212,51 @@ def plan_cross(seqs: list[CrossSequence], num_tokens: int, block_size: int,
                device: torch.device, dtype: torch.dtype) -> CrossBatch:
     """Visibility follows Mllama: image ``i`` is seen from its placeholder up to (not including)
     ``end``; generated tokens see what the last prompt token sees; a row that sees no image
-    attends to every image token of its sequence and its cross-attention MLP output is masked."""
-    row_mask = torch.zeros(num_tokens, dtype=dtype)
-    by_pages: dict[tuple[int, ...], list[tuple[CrossSequence, torch.Tensor]]] = {}
+    attends to every image token of its sequence and its cross-attention MLP output is masked.
+
+    Built on the host: a sequence's rows take one of a few visibility patterns (a decode row
+    always the same one), so each group's mask is its distinct rows indexed by pattern, a
+    handful of tensors per group however many sequences it holds.
+    """
+    row_mask = [0.0] * num_tokens
+    by_pages: dict[tuple[int, ...], tuple[list[int], list[list[bool]], list[int]]] = {}
     for seq in seqs:
         if not seq.images:
             continue
-        pages = [p for img in seq.images for p in img[0]]
-        kv_len = len(pages) * block_size
-        allowed = torch.zeros((len(seq.rows), kv_len), dtype=torch.bool)
-        real = torch.zeros(kv_len, dtype=torch.bool)
-        offset = 0
+        pages = tuple(p for img in seq.images for p in img[0])
+        rows, masks, pattern_of_row = by_pages.setdefault(pages, ([], [], []))
+        spans, offset = [], 0  # per image: (offset, tokens, valid, start, end)
         for img_pages, tokens, valid, start, end in seq.images:
-            real[offset:offset + tokens] = True
-            for r, pos in enumerate(seq.positions):
-                p = min(pos, seq.prompt_len - 1)
-                if start <= p and (end is None or p < end):
-                    allowed[r, offset:offset + valid] = True
+            spans.append((offset, tokens, valid, start, end))
             offset += len(img_pages) * block_size
-        sees = allowed.any(dim=1)
-        row_mask[seq.rows] = sees.to(dtype)
-        allowed[~sees] = real
-        by_pages.setdefault(tuple(pages), []).append((seq, allowed))
+        patterns: dict[tuple[bool, ...], int] = {}  # which images a row sees -> its mask in masks
+        for row, pos in zip(seq.rows, seq.positions):
+            p = min(pos, seq.prompt_len - 1)
+            sees = tuple(valid > 0 and start <= p and (end is None or p < end)
+                         for _, _, valid, start, end in spans)
+            if sees not in patterns:
+                patterns[sees] = len(masks)
+                masks.append(_cross_mask(spans, sees, len(pages) * block_size))
+            rows.append(row)
+            pattern_of_row.append(patterns[sees])
+            row_mask[row] = 1.0 if any(sees) else 0.0
     groups = []
-    for pages, members in by_pages.items():
+    for pages, (rows, masks, pattern_of_row) in by_pages.items():
+        allowed = torch.tensor(masks, dtype=torch.bool, device=device)
         groups.append(CrossGroup(
-            rows=torch.tensor([r for seq, _ in members for r in seq.rows], dtype=torch.long, device=device),
+            rows=torch.tensor(rows, dtype=torch.long, device=device),
             pages=torch.tensor(pages, dtype=torch.long, device=device),
             kv_len=len(pages) * block_size,
-            allowed=torch.cat([a for _, a in members]).to(device)))
-    return CrossBatch(groups, row_mask.to(device))
+            allowed=allowed[torch.tensor(pattern_of_row, dtype=torch.long, device=device)]))
+    return CrossBatch(groups, torch.tensor(row_mask, dtype=dtype, device=device))
+
+
+def _cross_mask(spans: list[tuple[int, int, int, int, int | None]], sees: tuple[bool, ...],
+                kv_len: int) -> list[bool]:
+    """The image positions a row attends to: the valid tokens of the images it sees, or, if it
+    sees none, every token of every image (its output is masked then)."""
+    mask = [False] * kv_len
+    for (offset, tokens, valid, _, _), seen in zip(spans, sees):
+        n = valid if seen else 0 if any(sees) else tokens
+        mask[offset:offset + n] = [True] * n
+    return mask
