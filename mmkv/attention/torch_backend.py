@@ -118,9 +118,9 @@ def _decode(q: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale: floa
     if plan.groups and not use_cascade:
         raise ValueError("cascade plans need a window covering every sequence; plan without cascade")
     # Each sequence's own pages, padded to the longest.
-    pages = plan.pages.view(-1)
-    k = layer[:, 0].index_select(0, pages).view(d, -1, hkv, dim).transpose(1, 2)  # [d, Hkv, L, D]
-    v = layer[:, 1].index_select(0, pages).view(d, -1, hkv, dim).transpose(1, 2)
+    k, v = gather_kv(layer, plan.pages.view(-1), plan.pages.numel() * bs)
+    k = k.view(d, -1, hkv, dim).transpose(1, 2)  # [d, Hkv, L, D]
+    v = v.view(d, -1, hkv, dim).transpose(1, 2)
     index = torch.arange(k.shape[2], device=q.device)
     kv_pos = (plan.positions[:, -1] - plan.lens + 1)[:, None] + index[None, :]  # [d, L]
     allowed = (index[None, :] < plan.lens[:, None])[:, None, :] \
