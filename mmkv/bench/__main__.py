@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> None:
         for key, value in result.items():
             print(f"{key:>32}: {value}")
     sys.stdout.flush()
+    if result.get("outputs_equal") is False:
+        sys.exit("outputs differ from the peer's")
 
 
 if __name__ == "__main__":

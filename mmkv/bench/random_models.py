@@ -49,3 +49,30 @@ def save_random_mllama(directory: Path, seed: int = 0) -> Path:
     model.save_pretrained(directory)
     MllamaImageProcessor(size={"height": 224, "width": 224}, max_image_tiles=4).save_pretrained(directory)
     return directory
+
+
+BENCH_QWEN2_5_VL_VISION = dict(depth=4, hidden_size=256, intermediate_size=1024, num_heads=4,
+                               out_hidden_size=BENCH_LLAMA["hidden_size"], patch_size=14,
+                               spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                               fullatt_block_indexes=[3], initializer_range=0.1)
+QWEN_VL_TOKENS = dict(vision_start_token_id=7990, vision_end_token_id=7991, image_token_id=7992,
+                      video_token_id=7993)
+
+
+def save_random_qwen2_5_vl(directory: Path, seed: int = 0) -> Path:
+    """A Qwen2.5-VL whose text model has the benchmarks' Llama sizes (M-RoPE sections 8/12/12 of
+    the 32 rotary frequencies) and whose vision tower has width 256, depth 4 (window attention,
+    full attention in the last block), patch 14, merge 2; the special tokens are ids 7990-7993
+    (``QWEN_VL_TOKENS``) and the image processor's own defaults apply."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2VLImageProcessor)
+
+    hf_logging.disable_progress_bar()
+    text = {**BENCH_LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                               "mrope_section": [8, 12, 12]}}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=BENCH_QWEN2_5_VL_VISION,
+                              initializer_range=0.1, **QWEN_VL_TOKENS)
+    torch.manual_seed(seed)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(directory)
+    Qwen2VLImageProcessor().save_pretrained(directory)
+    return directory
