@@ -13,6 +13,7 @@ from mmkv.sequence import Sequence
 from mmkv.speculation import Speculator
 from speculative import SpeculativeConfig
 from test_engine_oracle import BLOCK_BYTES, prompts
+from tiny_models import FAMILIES, build_model
 from tiny_vlms import IMAGE_TOKEN, picture
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -41,13 +42,16 @@ def cached_paths(engine: Engine) -> list[list[int]]:
     return paths
 
 
-@pytest.mark.parametrize("k, gamma", [(1, 3), (1, 1), (1, 6)])
-def test_early_exit_greedy_equals_plain_greedy(model_dirs, hf_oracle, k, gamma):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("gamma, budget", [(3, 2048), (1, 2048), (6, 7)])  # 7: chunked prefill
+def test_early_exit_greedy_equals_transformers(model_dirs, hf_oracle, family, gamma, budget):
+    """Every text family (Mistral's sliding window of 24 is crossed by the 30-token prompt plus
+    24 answer tokens; RoPE scaling), whole and chunked prefill, against transformers."""
     batch = prompts(40, [5, 17, 9, 30])
-    eng = spec_engine(model_dirs["llama"], k=k, gamma=gamma)
+    eng = spec_engine(model_dirs[family], k=1, gamma=gamma, max_num_batched_tokens=budget)
     outs = eng.generate(batch, GREEDY)
     for p, o in zip(batch, outs):
-        assert o.token_ids == hf_oracle("llama", p, 24)
+        assert o.token_ids == hf_oracle(family, p, 24)
     stats = eng.stats()
     assert stats["spec_rounds"] > 0 and stats["blocks_in_use"] == 0
     finals = [p + o.token_ids for p, o in zip(batch, outs)]
@@ -162,15 +166,14 @@ def draft_engine(target, draft, blocks=1024, **kw) -> Engine:
                   **kw)
 
 
-def test_draft_model_greedy_equals_plain_greedy(model_dirs, hf_oracle, tmp_path):
-    from tiny_models import build_model
-
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_draft_model_greedy_equals_transformers(model_dirs, hf_oracle, tmp_path, family):
     draft = build_model("llama", tmp_path / "draft", seed=3, num_hidden_layers=1)
     batch = prompts(43, [6, 13, 22])
-    eng = draft_engine(model_dirs["llama"], draft)
+    eng = draft_engine(model_dirs[family], draft, max_num_batched_tokens=9)
     outs = eng.generate(batch, GREEDY)
     for p, o in zip(batch, outs):
-        assert o.token_ids == hf_oracle("llama", p, 24)
+        assert o.token_ids == hf_oracle(family, p, 24)
     assert eng.stats()["spec_rounds"] > 0 and eng.kv.storage.layouts[1].num_layers == 1
 
 
