@@ -149,15 +149,19 @@ def test_early_exit_speculation(tmp_path, family):
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
 
 
-def test_image_placeholder_and_chat_template(qwen_dirs, oracle):
+def test_image_placeholder_chat_template_and_processor_text(qwen_dirs, oracle):
+    """``<image>`` with and without the chat template, and the text the processor's own chat
+    template writes, all as transformers reads them."""
     eng = qwen_engine(qwen_dirs, "qwen2_5_vl")
     [plain, chat] = [eng.generate({"prompt": "<image>what is it?", "images": [WIDE]}, P, chat=c)[0]
                      for c in (False, True)]
     processor = load_oracle("qwen2_5_vl", qwen_dirs["qwen2_5_vl"])[1]
-    text = processor.apply_chat_template([{"role": "user", "content": MARKUP + "what is it?"}],
-                                         add_generation_prompt=True, tokenize=False)
-    assert_oracle("qwen2_5_vl", oracle, [(MARKUP + "what is it?", [WIDE]), (text, [WIDE])],
-                  [plain, chat])
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}],
+        add_generation_prompt=True, tokenize=False)
+    [direct] = run(eng, [(text, [WIDE])])
+    assert_oracle("qwen2_5_vl", oracle, [(MARKUP + "what is it?", [WIDE]), (text, [WIDE]),
+                                         (text, [WIDE])], [plain, chat, direct])
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
