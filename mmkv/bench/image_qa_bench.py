@@ -8,7 +8,8 @@ the same sizes with M-RoPE; vision tower width 256, depth 4, patch 14, merge 2),
 
 The model answers ``--q`` questions about each of ``--i`` images, ``--a`` greedy tokens each. mmkv
 gets every request in one ``generate`` call (cold cache); transformers gets one batched
-``generate`` per image (the image repeated for each question, as its API needs). Outputs must be
+``generate`` per image (the image repeated for each question, as its API needs). Each timing is
+the best of ``--repeats`` runs (mmkv on a fresh engine, so a cold cache, each time). Outputs must be
 equal.
 """
 
@@ -28,7 +29,8 @@ from transformers.models.mllama.processing_mllama import (
 
 from mmkv import Engine, SamplingParams
 from mmkv.bench import timed
-from mmkv.bench.random_models import QWEN_VL_TOKENS, save_random_mllama, save_random_qwen2_5_vl
+from mmkv.bench.random_models import (MLLAMA_IMAGE_TOKEN, QWEN_VL_TOKENS, save_random_mllama,
+                                      save_random_qwen2_5_vl)
 
 FAMILIES = ("mllama", "qwen2_5_vl")
 IMAGE_SIZES = {"mllama": 224, "qwen2_5_vl": 448}
@@ -44,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a", type=int, default=16, help="answer tokens")
     p.add_argument("--question-tokens", type=int, default=12)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each side; the fastest counts (for a machine shared with others)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -79,48 +83,62 @@ def qwen_answers(model, processor, image: Image.Image, prompts: list[list[int]],
     return out[:, ids.shape[1]:].tolist()
 
 
+IMAGE_PREFIX = {  # the tokens that stand for an image at the start of a question
+    "mllama": [MLLAMA_IMAGE_TOKEN, 1],
+    "qwen2_5_vl": [QWEN_VL_TOKENS["vision_start_token_id"], QWEN_VL_TOKENS["image_token_id"],
+                   QWEN_VL_TOKENS["vision_end_token_id"]],
+}
 PEERS = {  # family: (save a random model, its transformers class, batched answers per image)
     "mllama": (save_random_mllama, MllamaForConditionalGeneration, mllama_answers),
     "qwen2_5_vl": (save_random_qwen2_5_vl, Qwen2_5_VLForConditionalGeneration, qwen_answers),
 }
 
 
-def image_prefix(engine: Engine, family: str) -> list[int]:
-    """The tokens that stand for an image in a prompt."""
-    if family == "qwen2_5_vl":
-        t = QWEN_VL_TOKENS
-        return [t["vision_start_token_id"], t["image_token_id"], t["vision_end_token_id"]]
-    return [engine.model.image_token_id, 1]
+def timed_mmkv(model_dir: Path, requests: list[dict], params: SamplingParams, args):
+    """Answers, the best of ``args.repeats`` timings (each on a fresh engine) and that engine;
+    None for the answers if two runs disagree."""
+    best = None
+    for _ in range(args.repeats):
+        engine = Engine(model_dir, kv_cache_memory="1GiB", host_kv_memory="64MiB",
+                        block_size=args.block_size, device="cpu")
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # warm-up, text only
+        ours, seconds = timed(lambda: [o.token_ids for o in engine.generate(requests, params)])
+        if best is not None and ours != best[0]:
+            return None, seconds, engine
+        if best is None or seconds < best[1]:
+            best = ours, seconds, engine
+    return best
 
 
 def run(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     size = args.image_size or IMAGE_SIZES[args.family]
     images = [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB")
               for _ in range(args.i)]
     save, hf_class, hf_answers = PEERS[args.family]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save(Path(tmp) / args.family, seed=args.seed)
-        engine = Engine(model_dir, kv_cache_memory="1GiB", host_kv_memory="64MiB",
-                        block_size=args.block_size, device="cpu")
-        prefix = image_prefix(engine, args.family)
+        prefix = IMAGE_PREFIX[args.family]
         questions = [prefix + rng.integers(4, 7900, size=args.question_tokens).tolist()
                      for _ in range(args.q)]
         params = SamplingParams(max_tokens=args.a, ignore_eos=True)
-        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # warm-up, text only
         requests = [{"prompt": q, "images": [img]} for img in images for q in questions]
-        ours, mmkv_s = timed(lambda: [o.token_ids for o in engine.generate(requests, params)])
+        ours, mmkv_s, engine = timed_mmkv(model_dir, requests, params, args)
 
         model = hf_class.from_pretrained(model_dir, dtype=torch.float32).eval()
         processor = AutoImageProcessor.from_pretrained(model_dir)
         hf_answers(model, processor, images[0], questions[:1], 2)  # warm-up
-        theirs, hf_s = timed(lambda: [a for img in images
-                                      for a in hf_answers(model, processor, img, questions, args.a)])
+        runs = [timed(lambda: [a for img in images
+                               for a in hf_answers(model, processor, img, questions, args.a)])
+                for _ in range(args.repeats)]
+        theirs, hf_s = runs[0][0], min(seconds for _, seconds in runs)
     stats = engine.stats()
     result = {
         "family": args.family,
         "speedup_vs_hf_batched": round(hf_s / mmkv_s, 2),
-        "outputs_equal": ours == theirs,
+        "outputs_equal": all(answers == ours for answers, _ in runs) and ours == theirs,
         "encoder_calls": stats["encoder_calls"],
         "images": args.i,
         "image_size": size,

@@ -27,6 +27,7 @@ BENCH_MLLAMA_VISION = dict(hidden_size=256, intermediate_size=1024, num_hidden_l
                            num_global_layers=2, attention_heads=4, image_size=224, patch_size=14,
                            max_num_tiles=4, intermediate_layers_indices=[1, 3],
                            vision_output_dim=256 * 3, initializer_range=0.1)
+MLLAMA_IMAGE_TOKEN = BENCH_LLAMA["vocab_size"]  # the id after the text vocabulary
 
 
 def save_random_mllama(directory: Path, seed: int = 0) -> Path:
@@ -39,7 +40,7 @@ def save_random_mllama(directory: Path, seed: int = 0) -> Path:
     text = {k: v for k, v in BENCH_LLAMA.items() if not k.endswith("token_id")}
     text.update(cross_attention_layers=[3, 7], bos_token_id=1, eos_token_id=2, pad_token_id=3)
     config = MllamaConfig(vision_config=BENCH_MLLAMA_VISION, text_config=text,
-                          image_token_index=text["vocab_size"])
+                          image_token_index=MLLAMA_IMAGE_TOKEN)
     torch.manual_seed(seed)
     model = MllamaForConditionalGeneration(config)
     with torch.no_grad():
