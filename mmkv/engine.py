@@ -477,6 +477,7 @@ class Engine:
             "preemptions_recompute": pre.recompute,
             "preemptions_swap": pre.swap,
             "swapped_bytes": pre.swapped_bytes,
+            "peak_blocks_in_use": self._peak_blocks,
             "peak_kv_bytes": self._peak_blocks * self.kv.bytes_per_block,
             "block_size": self.kv.block_size,
             **(self.model.vision.stats() if self.model.vision is not None else {}),
