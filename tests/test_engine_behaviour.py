@@ -141,7 +141,8 @@ def test_model_directory_errors(tmp_path, model_dirs):
 
 
 def test_soak_under_memory_pressure(model_dirs):
-    """300 random requests through a pool that forces evictions and preemptions."""
+    """300 random requests (a third sampled, seeded) through a pool that forces evictions and
+    preemptions give what a roomy pool gives."""
     rng = random.Random(17)
     docs = prompts(18, [13, 22, 9])
     batch, params = [], []
@@ -158,9 +159,28 @@ def test_soak_under_memory_pressure(model_dirs):
     got = tight.generate(batch, params)
     stats = tight.stats()
     assert stats["evictions"] > 0 and stats["preemptions_swap"] + stats["preemptions_recompute"] > 0
-    for p, w, g in zip(params, want, got):
+    for p, w, g in zip(params, want, got):  # seeded samples too: preemption changes nothing
         assert g.finish_reason == "length" and len(g.token_ids) == p.max_tokens
-        if p.greedy:
-            assert g.token_ids == w.token_ids
+        assert g.token_ids == w.token_ids
     assert stats["blocks_in_use"] == 0
     tight.kv.check_integrity()
+
+
+def test_cache_salt_keeps_tenants_apart(model_dirs, hf_oracle):
+    """Requests share cached K/V only under the same salt, also when submitted together."""
+    eng = engine(model_dirs)
+    [doc] = prompts(19, [30])
+    questions = prompts(20, [5, 6, 7, 8])
+    a = eng.generate([doc + questions[0]], GREEDY, cache_salt="tenant-a")[0]
+    b = eng.generate([doc + questions[1]], GREEDY, cache_salt="tenant-b")[0]
+    unsalted = eng.generate([doc + questions[2]], GREEDY)[0]
+    again = eng.generate([doc + questions[3]], GREEDY, cache_salt="tenant-a")[0]
+    assert [o.cached_tokens for o in (a, b, unsalted, again)] == [0, 0, 0, 30]
+    for q, out in zip(questions, (a, b, unsalted, again)):
+        assert out.token_ids == hf_oracle("llama", doc + q, 16)
+    fresh = engine(model_dirs)
+    fresh.add_request(doc + questions[0], GREEDY, cache_salt="x")
+    fresh.add_request(doc + questions[1], GREEDY, cache_salt="y")
+    while fresh.has_unfinished():
+        fresh.step()
+    assert fresh.stats()["computed_prefill_tokens"] == 2 * 30 + 5 + 6  # nothing shared
