@@ -107,10 +107,11 @@ class KVStorage:
             return
         d = torch.tensor(blocks, device=self.device)
         h = torch.tensor(host_slots)
-        for layer, host in zip(self.layers, self.host):
-            host[h] = layer[d].to("cpu", non_blocking=True)
-        if self.device.type == "cuda":
+        staged = [layer[d].to("cpu", non_blocking=True) for layer in self.layers]
+        if self.device.type == "cuda":  # the copies above are asynchronous: wait before reading
             torch.cuda.synchronize(self.device)
+        for host, data in zip(self.host, staged):
+            host[h] = data
 
     def swap_in(self, host_slots: list[int], blocks: list[int]) -> None:
         """Host slots -> device blocks."""
