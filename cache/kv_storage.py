@@ -101,6 +101,18 @@ class KVStorage:
         """Compaction: data of each ``old`` block ends up in ``new``."""
         self.copy_blocks(list(mapping), list(mapping.values()))
 
+    def resize(self, num_blocks: int) -> None:
+        """Reallocate every device store for ``num_blocks`` blocks, keeping the data of the
+        blocks both sizes hold (the first ``min(old, new)``)."""
+        keep = min(num_blocks, self.num_blocks)
+        for store in self.stores:
+            for i, layer in enumerate(store):
+                fresh = torch.zeros((num_blocks, *layer.shape[1:]), dtype=layer.dtype, device=self.device)
+                fresh[:keep] = layer[:keep]
+                store[i] = fresh
+        self.layers = [t for store in self.stores for t in store]
+        self.num_blocks = num_blocks
+
     def swap_out(self, blocks: list[int], host_slots: list[int]) -> None:
         """Device blocks -> host slots."""
         if not blocks:

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
-from cache import KVCache
+from cache import KVCache, parse_bytes
 from mmkv.attention.metadata import CrossSequence, plan_batch, plan_cross
 from mmkv.image_kv import CrossAttentionKV
 from mmkv.models import StepContext, load_model, resolve_device
@@ -87,7 +87,7 @@ class Engine:
         self._peak_blocks = 0
         self.speculator = None
         if draft is not None:
-            self.speculator = DraftModelSpeculator(self.model, draft, self.kv.storage.stores[1],
+            self.speculator = DraftModelSpeculator(self.model, draft, self.kv.storage,
                                                    speculative, self._context)
         elif speculative is not None:
             self.speculator = EarlyExitSpeculator(self.model, speculative, self._context)
@@ -390,6 +390,32 @@ class Engine:
             del self._requests[request_id]
         return RequestOutput(request_id, seqs[0].token_ids[: seqs[0].prompt_len], outputs, finished,
                              seqs[0].cached_tokens)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def resize_kv_cache(self, kv_cache_memory: str | int) -> int:
+        """Grow or shrink the device KV pool to a new byte budget between steps, with requests
+        running, swapped out or waiting; returns the new number of blocks.
+
+        Live K/V moves to the low end of the pool (compaction) and every table follows it; cached
+        prefixes that no longer fit are evicted in the eviction policy's order, the rest stay.
+        Raises ``ValueError``, changing nothing, when the blocks in use do not fit the new size
+        or an unfinished request could no longer fit the pool alone.
+        """
+        blocks = parse_bytes(kv_cache_memory) // self.kv.bytes_per_block
+        seqs = [s for family in self._requests.values() for s in family
+                if s.status is not Status.FINISHED]
+        for seq in seqs:
+            longest = min(seq.prompt_len + seq.params.max_tokens, self.max_model_len)
+            need = -(-longest // self.kv.block_size)
+            if need > blocks:
+                raise ValueError(f"kv_cache_memory {kv_cache_memory!r} holds {blocks} blocks, but "
+                                 f"request {seq.request_id} needs {need}")
+        mapping = self.kv.resize(blocks)
+        for seq in seqs:
+            for table in (seq.table, seq.swapped, *seq.image_tables):
+                if table is not None:
+                    table.remap(mapping)
+        return blocks
 
     # -- convenience ----------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,

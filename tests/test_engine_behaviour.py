@@ -184,3 +184,42 @@ def test_cache_salt_keeps_tenants_apart(model_dirs, hf_oracle):
     while fresh.has_unfinished():
         fresh.step()
     assert fresh.stats()["computed_prefill_tokens"] == 2 * 30 + 5 + 6  # nothing shared
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "draft_model"])
+def test_resize_kv_cache_while_requests_run(model_dirs, hf_oracle, speculative):
+    """The pool shrinks to just above what is in use mid-run (evicting the older cached prefixes
+    at its low end and moving live blocks down), then grows: outputs stay the oracle's, and the
+    shared document's cached blocks survive both moves."""
+    from test_speculative_engine import draft_engine
+
+    [doc] = prompts(21, [30])
+    questions = prompts(22, [4, 5, 6, 7, 8, 9])
+    eng = draft_engine(model_dirs["llama"], model_dirs["llama"], blocks=96) if speculative \
+        else engine(model_dirs, blocks=96)
+    per_block = eng.kv.bytes_per_block
+    eng.generate(prompts(23, [20, 20]), GREEDY)  # cached, unused blocks at the low end
+    ids = {eng.add_request(doc + q, GREEDY): doc + q for q in questions}
+    done, steps = {}, 0
+    while eng.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        steps += 1
+        if steps == 3:
+            in_use = eng.stats()["blocks_in_use"]
+            with pytest.raises(ValueError, match=f"{in_use} are in use"):
+                eng.resize_kv_cache((in_use - 1) * per_block)
+            with pytest.raises(ValueError, match="needs 13"):
+                eng.resize_kv_cache(12 * per_block)
+            evictions = eng.stats()["evictions"]
+            assert eng.resize_kv_cache((in_use + 2) * per_block) == in_use + 2
+            assert eng.stats()["evictions"] > evictions and eng.kv.metrics.compactions == 1
+        if steps == 9:
+            assert eng.resize_kv_cache(200 * per_block) == 200
+    assert done == {i: hf_oracle("llama", p, 16) for i, p in ids.items()}
+    stats = eng.stats()
+    assert stats["blocks_total"] == 200 and stats["blocks_in_use"] == 0
+    assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0  # the small pool bit
+    later = eng.generate([doc + [7, 7]], GREEDY)[0]
+    assert later.cached_tokens == 30 and later.token_ids == hf_oracle("llama", doc + [7, 7], 16)
+    if speculative:
+        assert stats["spec_acceptance_rate"] == 1.0  # the draft's store moved with the target's
