@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence as Seq
 
 import torch
+from jinja2 import TemplateError
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -144,9 +145,7 @@ class Engine:
                 token = self.tokenizer.convert_ids_to_tokens(self.model.image_token_id)
                 prompt = prompt.replace(IMAGE_PLACEHOLDER, token)
             if chat:
-                messages = [{"role": "user", "content": prompt}]
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                         tokenize=True, return_dict=False)
+                ids = self.render_chat([{"role": "user", "content": prompt}])
             else:
                 ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
@@ -161,6 +160,21 @@ class Engine:
         if not ids:
             raise ValueError(f"{label}: prompt is empty")
         return list(ids)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of ``messages`` (``{"role", "content"}``; content a string or a list of
+        ``{"type": "text", "text"}`` and ``{"type": "image"}`` parts) rendered by the model's chat
+        template with the generation prompt; each image part becomes the model's image token, for
+        an image passed with the prompt. ``ValueError`` when the model has no chat template or the
+        template refuses the messages."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("this model directory has no chat template (tokenizer_config.json "
+                             "'chat_template' or chat_template.jinja); send a plain prompt instead")
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
+        except TemplateError as err:
+            raise ValueError(f"the chat template refused the messages: {err}") from err
 
     def _place_images(self, token_ids: list[int], images: list[ImageInput],
                       label: str) -> tuple[list[int], list[SeqImage]]:

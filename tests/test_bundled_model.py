@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mmkv import Engine, SamplingParams
 from mmkv.engine import BUNDLED_MODEL
 from mmkv.eval import evaluate
@@ -67,3 +69,28 @@ def test_spec_benchmark_reports_its_figures_and_equal_outputs(tmp_path):
     assert result["draft_extra_blocks_early_exit"] == 0
     assert set(result["sweep_early_exit_b1"]) == {"1", "2"}
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_bundled_chat_template_renders_the_training_prompts():
+    """A user turn with an image and a question is the scene prompt; a system turn (a report) and
+    a user turn are the document prompt; a follow-up after an answer is the packed training form."""
+    import random
+
+    from mmkv.synthetic import document_prompt, random_report, scene_prompt
+
+    engine = Engine(kv_cache_memory="16MiB", host_kv_memory="1MiB")
+    encode = engine.tokenizer.encode
+    question = "what colour is the circle?"
+    assert engine.render_chat([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": question}]}]) == encode(scene_prompt(question))
+    report = random_report(random.Random(3))
+    asked = [{"role": "system", "content": report.text},
+             {"role": "user", "content": "summarise the report."}]
+    assert engine.render_chat(asked) == encode(document_prompt(report, "summarise the report."))
+    follow_up = asked + [{"role": "assistant", "content": " mayor anna berg"},
+                         {"role": "user", "content": [{"type": "text", "text": "who is the mayor?"}]}]
+    assert engine.render_chat(follow_up) == encode(
+        document_prompt(report, "summarise the report.") + " mayor anna berg<eos>"
+        "\ninstruction: who is the mayor?\nanswer:")
+    with pytest.raises(ValueError, match="roles are system, developer, user or assistant, got tool"):
+        engine.render_chat([{"role": "tool", "content": "x"}])
