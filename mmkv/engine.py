@@ -76,6 +76,7 @@ class Engine:
         self.image_kv = (CrossAttentionKV(self.kv, self.model, shared=enable_prefix_caching)
                          if self.model.cross_layers else None)
         self.scheduler.image_kv = self.image_kv
+        self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len or self.model.max_model_len, self.model.max_model_len)
         self.tokenizer = _load_tokenizer(Path(model), self.model.text_config)
         self.eos_token_ids = _eos_ids(Path(model), self.model.text_config, self.tokenizer)
@@ -554,9 +555,12 @@ class Engine:
             self.abort(request_id)  # nothing to do when it finished
 
     def stats(self) -> dict[str, int]:
-        pool, pre = self.kv.pool, self.scheduler.preemptions
+        pool, pre, sched = self.kv.pool, self.scheduler.preemptions, self.scheduler
+        running = {s.request_id for s in sched.running}
         return {
             **self._counters,
+            "requests_running": len(running),
+            "requests_waiting": len({s.request_id for s in (*sched.waiting, *sched.swapped)} - running),
             "cached_prompt_tokens": self.scheduler.cached_prompt_tokens,
             "blocks_total": pool.num_blocks,
             "blocks_in_use": pool.num_in_use,
