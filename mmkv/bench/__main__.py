@@ -1,4 +1,5 @@
-"""Entry point: ``python -m mmkv.bench cache --json``."""
+"""Entry point: ``python -m mmkv.bench cache --json``. Exits non-zero when a benchmark's outputs differ
+from its peer's (``outputs_equal`` false): a speed figure over wrong outputs means nothing."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> None:
         for key, value in result.items():
             print(f"{key:>32}: {value}")
     sys.stdout.flush()
+    if result.get("outputs_equal") is False:
+        sys.exit(f"{args.name}: outputs differ between mmkv and its peer (outputs_equal is false)")
 
 
 if __name__ == "__main__":

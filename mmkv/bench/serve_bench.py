@@ -7,7 +7,7 @@ tokenizer (vocabulary 1024), fp32 on the CPU. Workload: 8 documents of ~500 toke
 each, 16 concurrent streams, 32 greedy tokens each. Reported per server as `vllm bench serve`
 does: request throughput, output tokens/s, TTFT p50/p99, TPOT p50, E2E latency p50; and the
 ratios `throughput_vs_transformers_serve`, `ttft_p99_vs_transformers_serve`. `outputs_equal`:
-every answer identical on both servers (the benchmark exits non-zero otherwise). The peer needs
+every answer identical on both servers (``python -m mmkv.bench`` exits non-zero otherwise). The peer needs
 transformers' serving extra and accelerate (in mmkv's `dev` extra).
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -196,6 +195,4 @@ def run(args: argparse.Namespace) -> dict:
         print(f"outputs differ on {len(differing)} of {len(prompts)} requests; the first, request "
               f"{differing[0]}: mmkv {ours[differing[0]].text!r}, transformers serve "
               f"{theirs[differing[0]].text!r}", file=sys.stderr)
-        print(json.dumps(result))
-        sys.exit(1)
     return result
