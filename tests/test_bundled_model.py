@@ -1,5 +1,6 @@
 """The committed model answers held-out questions; the training script runs end to end."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,8 @@ def test_bundled_model_reaches_its_accuracy_identically_with_caching_and_specula
 
 def test_training_script_smoke(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "examples" / "train_tiny.py"), "--out",
-                    str(tmp_path), "--smoke"], check=True, capture_output=True, timeout=300)
+                    str(tmp_path), "--smoke"], check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's mmkv
     assert (tmp_path / "loss.png").stat().st_size > 0
     engine = Engine(tmp_path / "tiny-vlm", kv_cache_memory="32MiB", host_kv_memory="4MiB")
     out = engine.ask(tmp_path / "loss.png", ["what is it?"],

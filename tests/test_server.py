@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -224,18 +225,28 @@ def test_openai_client_raises_its_own_error_types(served):
         api.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=0)
 
 
-def test_a_client_that_disconnects_mid_stream_is_aborted(served):
-    body = {"model": MODEL_NAME, "prompt": "report on kalo.", "max_tokens": 900, "stream": True,
-            "ignore_eos": True}
+LONG = {"model": MODEL_NAME, "prompt": "report on kalo.", "max_tokens": 900, "stream": True,
+        "ignore_eos": True}
+
+
+@contextmanager
+def long_stream(url: str):
+    """A streamed completion that runs for a while; yields its lines after the first."""
     with httpx.Client(timeout=30) as http:
-        with http.stream("POST", f"{served.url}/v1/completions", json=body) as response:
-            lines = response.iter_lines()
+        with http.stream("POST", f"{url}/v1/completions", json=LONG) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()  # kept: dropping it would close the connection
             assert next(lines).startswith("data: ")
-            assert served.metrics()["mmkv_requests_running"] == 1
+            yield lines
+
+
+def test_a_client_that_disconnects_mid_stream_is_aborted(served):
+    with long_stream(served.url):
+        assert served.metrics()["mmkv_requests_running"] == 1
     m = served.wait_idle()
     assert (m["mmkv_requests_running"], m["mmkv_kv_blocks_in_use"]) == (0, 0)
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
-        httpx.post(f"{served.url}/v1/completions", json={**body, "stream": False}, timeout=0.5)
+        httpx.post(f"{served.url}/v1/completions", json={**LONG, "stream": False}, timeout=0.5)
     m = served.wait_idle()
     assert (m["mmkv_requests_running"], m["mmkv_kv_blocks_in_use"]) == (0, 0)
     assert m["mmkv_generation_tokens_total"] < 1000  # neither ran to its 900 tokens
@@ -293,17 +304,11 @@ def test_admission_limit_answers_503_before_fetching_any_image(tmp_path):
     scenes[0].render().save(path)
     running = start_server(bundled_engine(kv_cache_memory="8MiB", max_num_seqs=1), max_waiting=0)
     try:
-        body = {"model": MODEL_NAME, "prompt": "report on kalo.", "max_tokens": 900, "stream": True,
-                "ignore_eos": True}
-        with httpx.Client(timeout=30) as http:
-            with http.stream("POST", f"{running.url}/v1/completions", json=body) as response:
-                assert response.status_code == 200
-                lines = response.iter_lines()  # kept: dropping it would close the connection
-                assert next(lines).startswith("data: ")
-                # this file:// URL would be refused with a 400; the 503 comes first
-                r = post(running, CHAT, image_chat(path.as_uri()))
-                assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
-                assert r.json()["error"]["code"] == "overloaded"
+        with long_stream(running.url):
+            # this file:// URL would be refused with a 400; the 503 comes first
+            r = post(running, CHAT, image_chat(path.as_uri()))
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+            assert r.json()["error"]["code"] == "overloaded"
         running.wait_idle()
         assert post(running, CHAT, image_chat(path.as_uri())).status_code == 400  # admitted now
     finally:
@@ -365,14 +370,9 @@ def test_sigterm_aborts_streams_and_exits_holding_no_block(tmp_path):
             except httpx.TransportError:
                 assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
                 time.sleep(0.2)
-        body = {"model": MODEL_NAME, "prompt": "report on kalo.", "max_tokens": 1000, "stream": True,
-                "ignore_eos": True}
-        with httpx.Client(timeout=30) as http:
-            with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-                lines = response.iter_lines()
-                assert next(lines).startswith("data: ")
-                process.send_signal(signal.SIGTERM)
-                rest = [line for line in lines if line]  # the stream ends (an error event, then [DONE]) instead of hanging
+        with long_stream(url) as lines:
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]  # it ends (an error event, [DONE]) instead of hanging
         assert any("shutting down" in line for line in rest) and rest[-1] == "data: [DONE]"
         process.wait(timeout=20)
         stderr = process.stderr.read()

@@ -174,11 +174,12 @@ def run(args: argparse.Namespace) -> dict:
         mmkv_cmd = [sys.executable, "-m", "mmkv", "serve", model, "--port", str(port),
                     "--served-model-name", model, "--kv-cache-memory", "512MiB", "--host-kv-memory", "64MiB",
                     "--device", "cpu", "--dtype", "float32"]
-        ours, our_seconds = serve_and_drive("mmkv", mmkv_cmd, f"http://127.0.0.1:{port}", model, prompts, args)
+        ours, our_seconds = serve_and_drive("mmkv", mmkv_cmd, f"http://127.0.0.1:{port}", model,
+                                            prompts, args)
         port = free_port()
-        peer_cmd = [str(Path(sys.executable).parent / "transformers"), "serve", model, "--continuous-batching",
-                    "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
-                    "--cb-num-blocks", "64", "--cb-max-batch-tokens", "2048", "--log-level", "error"]
+        peer_cmd = [str(Path(sys.executable).parent / "transformers"), "serve", model,
+                    "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
+                    "--device", "cpu", "--dtype", "float32", "--cb-num-blocks", "64", "--cb-max-batch-tokens", "2048", "--log-level", "error"]
         theirs, their_seconds = serve_and_drive("transformers", peer_cmd, f"http://127.0.0.1:{port}",
                                                 model, prompts, args)
     mine, peer = figures(ours, our_seconds), figures(theirs, their_seconds)

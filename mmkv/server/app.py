@@ -184,8 +184,10 @@ async def _events(header: Header, first: tuple[int, RequestOutput],
                     lp = None if new is None else chat_logprobs(new, token_text)
                     yield sse(chat_chunk(header, c.index, delta, not was_started, c.finish_reason, lp))
                 else:
-                    lp = None if new is None else completion_logprobs(new, token_text, len(stream.text) - len(delta))
-                    yield sse(completion_chunk(header, index * params.n + c.index, delta, c.finish_reason, lp))
+                    offset = len(stream.text) - len(delta)
+                    lp = None if new is None else completion_logprobs(new, token_text, offset)
+                    choice = index * params.n + c.index
+                    yield sse(completion_chunk(header, choice, delta, c.finish_reason, lp))
         timer.done()
         if include_usage:
             object_ = "chat.completion.chunk" if header.kind == "chat" else "text_completion"

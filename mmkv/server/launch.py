@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-image-pixels", type=int, default=4096 * 4096)
     limits.add_argument("--media-timeout", type=float, default=5.0)
     limits.add_argument("--allowed-local-media-path", type=Path,
-                        help="file:// image URLs are served from under this directory only (default: refused)")
+                        help="file:// image URLs only from under this directory (default: refused)")
     limits.add_argument("--allowed-media-domains", nargs="*", default=[],
                         help="hosts whose https:// images may be fetched (default: none)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0)
