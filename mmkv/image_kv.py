@@ -41,23 +41,30 @@ class CrossAttentionKV:
         """Reference (computing where missing) the K/V of every image of ``seq``; False, holding
         nothing, when the pool cannot take them now."""
         tables: list[BlockTable] = []
-        for image in seq.images:
-            keys = self._keys(image)
-            table = self.kv.acquire_prefix(keys, self._namespace(seq))
-            missing = keys.shape[0] - table.num_tokens
-            if missing and self.kv.blocks_needed(table, missing) > self.kv.num_available():
-                for t in (*tables, table):
-                    self.kv.free(t)
-                return False
-            if missing:
-                start = table.num_tokens
-                self.kv.append_slots(table, missing)
-                self._write(image, table, start)
-                cost = self.model.image_rebuild_flops(image.placement) / len(table.blocks)
-                self.kv.cache_prefix(table, keys, self._namespace(seq), cost)
-            tables.append(table)
+        try:
+            for image in seq.images:
+                keys = self._keys(image)
+                table = self.kv.acquire_prefix(keys, self._namespace(seq))
+                tables.append(table)
+                missing = keys.shape[0] - table.num_tokens
+                if missing and self.kv.blocks_needed(table, missing) > self.kv.num_available():
+                    self._free(tables)
+                    return False
+                if missing:
+                    start = table.num_tokens
+                    self.kv.append_slots(table, missing)
+                    self._write(image, table, start)
+                    cost = self.model.image_rebuild_flops(image.placement) / len(table.blocks)
+                    self.kv.cache_prefix(table, keys, self._namespace(seq), cost)
+        except BaseException:  # the encoder raised: hold nothing
+            self._free(tables)
+            raise
         seq.image_tables = tables
         return True
+
+    def _free(self, tables: list[BlockTable]) -> None:
+        for table in tables:
+            self.kv.free(table)
 
     def release(self, seq: Sequence) -> None:
         for table in seq.image_tables:

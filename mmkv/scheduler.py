@@ -90,6 +90,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.preemptions = PreemptionStats()
         self.cached_prompt_tokens = 0
+        self.failures: list[tuple[Sequence, Exception]] = []  # raised while being admitted
         self.image_kv = None  # CrossAttentionKV for cross-attention models, set by the engine
 
     def add(self, seq: Sequence) -> None:
@@ -98,6 +99,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def take_failures(self) -> list[tuple[Sequence, Exception]]:
+        """Sequences whose admission raised (computing their images' K/V) since the last call;
+        they are out of every queue and hold nothing."""
+        failures, self.failures = self.failures, []
+        return failures
 
     # -- the step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -140,7 +147,12 @@ class Scheduler:
             seq = self.swapped[0]
             n = min(seq.num_pending, budget)
             need = len(seq.swapped.host_slots) + -(-n // self.kv.block_size) + 1
-            if need > self.kv.num_available() or not self._acquire_images(seq):
+            if need > self.kv.num_available():
+                break
+            acquired = self._acquire_images(seq)
+            if acquired is None:
+                continue
+            if not acquired:
                 break
             if need > self.kv.num_available():  # the images took the room
                 self._release_images(seq)
@@ -160,7 +172,10 @@ class Scheduler:
                 return
             if self._should_wait_for(seq, prefilling):
                 continue
-            if not self._acquire_images(seq):
+            acquired = self._acquire_images(seq)
+            if acquired is None:
+                continue
+            if not acquired:
                 return
             table = self._acquire(seq)
             cached = table.num_tokens
@@ -232,8 +247,15 @@ class Scheduler:
         self._release(seq)
         seq.status = Status.FINISHED
 
-    def _acquire_images(self, seq: Sequence) -> bool:
-        return self.image_kv is None or not seq.images or self.image_kv.acquire(seq)
+    def _acquire_images(self, seq: Sequence) -> bool | None:
+        """Whether the images' K/V are held now; None when computing them raised (the sequence
+        then left its queue for ``failures``)."""
+        try:
+            return self.image_kv is None or not seq.images or self.image_kv.acquire(seq)
+        except Exception as err:
+            self._release(seq)
+            self.failures.append((seq, err))
+            return None
 
     def _release_images(self, seq: Sequence) -> None:
         if self.image_kv is not None:

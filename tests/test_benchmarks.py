@@ -66,3 +66,13 @@ def test_a_benchmark_whose_outputs_differ_exits_non_zero(monkeypatch, capsys):
     with pytest.raises(SystemExit, match="outputs differ"):
         bench_main.main(["differing", "--json"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["outputs_equal"] is False
+
+
+def test_serve_bench_drives_both_servers_to_equal_answers():
+    """`mmkv serve` and `transformers serve --continuous-batching` on one small document."""
+    result = bench("serve", "--documents", "1", "--questions", "3", "--document-tokens", "60",
+                   "--concurrency", "3", "--max-tokens", "4")
+    assert result["outputs_equal"] is True and result["requests"] == 3
+    for server in ("mmkv", "transformers_serve"):
+        assert result[server]["request_throughput"] > 0 and result[server]["ttft_p99_ms"] > 0
+    assert result["throughput_vs_transformers_serve"] > 0

@@ -4,6 +4,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from mmkv import Engine, ModelLoadError, SamplingParams
 from test_engine_oracle import GREEDY, engine, prompts
@@ -223,3 +224,39 @@ def test_resize_kv_cache_while_requests_run(model_dirs, hf_oracle, speculative):
     assert later.cached_tokens == 30 and later.token_ids == hf_oracle("llama", doc + [7, 7], 16)
     if speculative:
         assert stats["spec_acceptance_rate"] == 1.0  # the draft's store moved with the target's
+
+
+def test_logprobs_equal_transformers_log_softmax(model_dirs):
+    """Each generated token's logprob and its top alternatives are transformers' log-softmax of
+    the logits at that position (greedy and sampled, n > 1, through chunked prefill)."""
+    from test_engine_oracle import load_hf
+
+    eng = engine(model_dirs, max_num_batched_tokens=7)
+    [prompt] = prompts(19, [13])
+    greedy, sampled = eng.generate([prompt, prompt], [
+        SamplingParams(max_tokens=6, ignore_eos=True, logprobs=5),
+        SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0, n=2, temperature=1.0, seed=5)])
+    model = load_hf(model_dirs["llama"])
+    for out in [*greedy.outputs, *sampled.outputs]:
+        with torch.no_grad():
+            full = model(torch.tensor([prompt + out.token_ids])).logits[0].log_softmax(-1)
+        want = full[len(prompt) - 1: len(prompt) - 1 + len(out.token_ids)]
+        assert [lp.token_id for lp in out.logprobs] == out.token_ids
+        got = torch.tensor([lp.logprob for lp in out.logprobs])
+        torch.testing.assert_close(got, want[torch.arange(len(got)), out.token_ids], atol=1e-4, rtol=0)
+        if out is greedy.outputs[0]:
+            for lp, row in zip(out.logprobs, want):
+                top = torch.topk(row, 5)
+                assert [t for t, _ in lp.top] == top.indices.tolist()
+                torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), top.values,
+                                           atol=1e-4, rtol=0)
+    assert all(lp.top == [] for lp in sampled.outputs[0].logprobs)
+    assert eng.generate([prompt], GREEDY)[0].outputs[0].logprobs is None
+
+
+@pytest.mark.parametrize("value, message", [(-1, "logprobs must be >= 0"),
+                                            (21, "logprobs must be <= 20"),
+                                            (True, "logprobs must be an integer")])
+def test_bad_logprobs(value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logprobs=value)

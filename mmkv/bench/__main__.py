@@ -7,10 +7,10 @@ import argparse
 import json
 import sys
 
-from mmkv.bench import cache_bench, image_qa_bench, prefix_bench, spec_bench
+from mmkv.bench import cache_bench, image_qa_bench, prefix_bench, serve_bench, spec_bench
 
 BENCHMARKS = {"cache": cache_bench, "prefix": prefix_bench, "image-qa": image_qa_bench,
-              "spec": spec_bench}
+              "spec": spec_bench, "serve": serve_bench}
 
 
 def main(argv: list[str] | None = None) -> None:
