@@ -77,7 +77,7 @@ def attend(q, k, v, allowed, scale):
     lse = torch.logsumexp(scores, -1)  # -inf where nothing is allowed
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
     out = torch.einsum("qhk,khd->qhd", probs, v)
-    return out.to(q.dtype), (lse / LN2).float()
+    return out.to(q.dtype).contiguous(), (lse / LN2).float().contiguous()
 
 
 def causal_allowed(qo_len: int, kv_len: int, window_left: int = -1) -> torch.Tensor:
