@@ -6,10 +6,11 @@ import argparse
 import json
 import sys
 
-from mmkv.bench import cache_bench, image_qa_bench, prefix_bench, spec_bench
+from mmkv.bench import cache_bench, gpu_bench, image_qa_bench, prefix_bench, spec_bench
 
 BENCHMARKS = {"cache": cache_bench, "prefix": prefix_bench, "image-qa": image_qa_bench,
-              "spec": spec_bench}
+              "spec": spec_bench, "gpu": gpu_bench}
+CHECKS = ("outputs_equal", "outputs_near_greedy")  # a benchmark whose outputs fail one exits 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> None:
         for key, value in result.items():
             print(f"{key:>32}: {value}")
     sys.stdout.flush()
+    failed = [check for check in CHECKS if result.get(check) is False]
+    if failed:
+        sys.exit(f"outputs differ from the peer's: {', '.join(failed)} is false")
 
 
 if __name__ == "__main__":
