@@ -188,16 +188,16 @@ def test_image_kv_writes_equal_the_torch_backend():
 # -- every call, as it would go to the GPU ---------------------------------------------------------
 
 def _calls_on(device: torch.device) -> list[fb.Call]:
-    """Every call the backend makes for the patterns of one mixed step, one decode step with
-    cascade and one cross step, built with the device tensors on ``device``."""
+    """Every call the backend makes for a mixed step and a decode step, each with and without
+    cascade, and a cross step, built with the device tensors on ``device``."""
     seqs = [(13, 13, None, 0), (21, 1, None, 0), (23, 1, 1, 16), (22, 6, 1, 16)]
     _, tables, _, _ = build(seqs)
     layer = torch.zeros(64, 2, BS, HKV, 64, dtype=torch.bfloat16, device=device)
     workspace = torch.zeros(16, dtype=torch.uint8, device=device)
     calls = [fb.wrapper_call(p, workspace) for p in fb.PATTERNS]
-    for q_lens in ([13, 1, 1, 6], [1, 1, 1, 1]):
+    for q_lens, cascade in [(q, c) for q in ([13, 1, 1, 6], [1, 1, 1, 1]) for c in (True, False)]:
         kv_lens = [n - q + ql for (n, q, _, _), ql in zip(seqs, q_lens)]
-        batch = plan_batch(tables, q_lens, kv_lens, BS, device, cascade=True)
+        batch = plan_batch(tables, q_lens, kv_lens, BS, device, cascade=cascade)
         query = torch.zeros(sum(q_lens), HQ, 64, dtype=torch.bfloat16, device=device)
         key = torch.zeros(sum(q_lens), HKV, 64, dtype=torch.float32, device=device)  # cast on append
         heads = Heads.of(query, layer, 0.125, 4096)
@@ -223,7 +223,7 @@ def test_every_call_binds_to_flashinfer_with_host_plans_and_device_data():
     ``meta``, so the backend never reads a device tensor on the host."""
     calls = _calls_on(META)
     targets = Counter(c.target.rsplit(".", 1)[-1] for c in calls)
-    assert targets["plan"] == 5 and targets["__init__"] == 4 and targets["merge_state"] == 2
+    assert targets["plan"] == 7 and targets["__init__"] == 4 and targets["merge_state"] == 2
     for call in calls:
         bound = bind(call.target, call.args, call.kwargs).arguments
         method = call.target.rsplit(".", 1)[-1]
