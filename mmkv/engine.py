@@ -283,10 +283,15 @@ class Engine:
             valid = len(seq.token_ids) + verdict.accepted  # positions whose K/V is the target's
             self.kv.truncate(seq.table, valid)
             self._counters["decode_tokens"] += verdict.accepted + 1
-            self.scheduler.commit(seq, verdict.accepted + 1)
+            reason = None
             for token in verdict.tokens:
-                if self._append(seq, token):
+                seq.token_ids.append(token)
+                if (reason := self._finish_reason(seq, token)) is not None:
                     break
+            # Committed once the accepted drafts are in token_ids: blocks are cached by their keys.
+            self.scheduler.commit(seq, verdict.accepted + 1)
+            if reason is not None:
+                self._finish(seq, reason)
             touched[seq.request_id] = None
 
     def _add_image_inputs(self, step: StepContext, seqs: list[Sequence], q_lens: list[int],
@@ -332,9 +337,12 @@ class Engine:
         seq.token_ids.append(token)
         reason = self._finish_reason(seq, token)
         if reason is not None:
-            seq.finish_reason = reason
-            self.scheduler.finish(seq)
+            self._finish(seq, reason)
         return reason is not None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         children = []
@@ -474,6 +482,7 @@ class Engine:
             "preemptions_recompute": pre.recompute,
             "preemptions_swap": pre.swap,
             "swapped_bytes": pre.swapped_bytes,
+            "peak_blocks_in_use": self._peak_blocks,
             "peak_kv_bytes": self._peak_blocks * self.kv.bytes_per_block,
             "block_size": self.kv.block_size,
             **(self.model.vision.stats() if self.model.vision is not None else {}),

@@ -1,4 +1,5 @@
-"""Entry point: ``python -m mmkv.bench cache --json``."""
+"""Entry point: ``python -m mmkv.bench cache --json``. Exits non-zero when a benchmark's outputs differ
+from its peer's (``outputs_equal`` false): a speed figure over wrong outputs means nothing."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     failed = [check for check in CHECKS if result.get(check) is False]
     if failed:
-        sys.exit(f"outputs differ from the peer's: {', '.join(failed)} is false")
+        sys.exit(f"{args.name}: outputs differ between mmkv and its peer ({', '.join(failed)} is false)")
 
 
 if __name__ == "__main__":

@@ -75,6 +75,13 @@ def worst_deficit(model, prompts: list[list[int]], outputs: list[list[int]]) -> 
     return worst
 
 
+def _defaults(bench, *argv: str) -> argparse.Namespace:
+    """A benchmark's arguments: its defaults (the README's sizes) but for ``argv``."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
 def run(args: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("python -m mmkv.bench gpu needs a CUDA device")
@@ -114,10 +121,8 @@ def run(args: argparse.Namespace) -> dict:
         del model
     result["worst_deficit_std"] = worst
     result["outputs_near_greedy"] = max(worst.values()) <= NEAR_TIE
-    gpu = dict(device="cuda", dtype="float32", attention_backend="torch")
-    prefix = prefix_bench.run(argparse.Namespace(n=16, p=600, q=20, a=16, block_size=16, seed=0, **gpu))
-    image_qa = image_qa_bench.run(argparse.Namespace(i=4, q=16, a=16, question_tokens=12,
-                                                     block_size=16, seed=0, **gpu))
+    prefix = prefix_bench.run(_defaults(prefix_bench, "--device", "cuda"))
+    image_qa = image_qa_bench.run(_defaults(image_qa_bench, "--device", "cuda"))
     result.update({f"prefix_{k}": v for k, v in prefix.items()})
     result.update({f"image_qa_{k}": v for k, v in image_qa.items()})
     result["outputs_equal"] = prefix["outputs_equal"] and image_qa["outputs_equal"]

@@ -24,7 +24,7 @@ from transformers.models.mllama.processing_mllama import (
 from mmkv import Engine, SamplingParams
 from mmkv.bench import timed
 from mmkv.bench.prefix_bench import add_device_arguments
-from mmkv.bench.random_models import save_random_mllama
+from mmkv.bench.random_models import BENCH_LLAMA, save_random_mllama, text_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a", type=int, default=16, help="answer tokens")
     p.add_argument("--question-tokens", type=int, default=12)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--hidden-size", type=int, default=BENCH_LLAMA["hidden_size"],
+                   help="text model width (the figures in the README use the default)")
+    p.add_argument("--num-layers", type=int, default=BENCH_LLAMA["num_hidden_layers"])
     p.add_argument("--seed", type=int, default=0)
     add_device_arguments(p)
 
@@ -59,7 +62,8 @@ def run(args: argparse.Namespace) -> dict:
     images = [Image.fromarray(rng.integers(0, 256, (224, 224, 3), dtype=np.uint8), "RGB")
               for _ in range(args.i)]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_random_mllama(Path(tmp) / "mllama", seed=args.seed)
+        model_dir = save_random_mllama(Path(tmp) / "mllama", seed=args.seed,
+                                       **text_size(args.hidden_size, args.num_layers))
         engine = Engine(model_dir, kv_cache_memory="1GiB", host_kv_memory="64MiB",
                         block_size=args.block_size, device=args.device, dtype=args.dtype,
                         attention_backend=args.attention_backend)

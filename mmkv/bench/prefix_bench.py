@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from mmkv import Engine, SamplingParams
 from mmkv.bench import timed
-from mmkv.bench.random_models import save_random_llama
+from mmkv.bench.random_models import BENCH_LLAMA, save_random_llama, text_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--q", type=int, default=20, help="question tokens")
     p.add_argument("--a", type=int, default=16, help="answer tokens")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--hidden-size", type=int, default=BENCH_LLAMA["hidden_size"],
+                   help="text model width (the figures in the README use the default)")
+    p.add_argument("--num-layers", type=int, default=BENCH_LLAMA["num_hidden_layers"])
     p.add_argument("--seed", type=int, default=0)
     add_device_arguments(p)
 
@@ -73,7 +76,8 @@ def run(args: argparse.Namespace) -> dict:
     prompts = [prefix + rng.integers(0, 8000, size=args.q).tolist() for _ in range(args.n)]
     params = SamplingParams(max_tokens=args.a, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_random_llama(Path(tmp) / "llama", seed=args.seed)
+        model_dir = save_random_llama(Path(tmp) / "llama", seed=args.seed,
+                                      **text_size(args.hidden_size, args.num_layers))
         ours, mmkv_s, engine = run_mmkv(model_dir, prompts, params, args)
         no_cascade, no_cascade_s, _ = run_mmkv(model_dir, prompts, params, args, cascade=False)
         single, single_s, _ = run_mmkv(model_dir, prompts[:1], params, args,

@@ -14,6 +14,14 @@ BENCH_LLAMA = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
                    bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
+def text_size(hidden_size: int, num_layers: int) -> dict:
+    """Overrides of ``BENCH_LLAMA`` for a text model of another width and depth (the tests run
+    every benchmark on a small one)."""
+    if (hidden_size, num_layers) == (BENCH_LLAMA["hidden_size"], BENCH_LLAMA["num_hidden_layers"]):
+        return {}
+    return dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers)
+
+
 def save_random_llama(directory: Path, seed: int = 0, **overrides) -> Path:
     """The benchmarks' Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, vocab 8000)."""
     hf_logging.disable_progress_bar()
@@ -29,15 +37,17 @@ BENCH_MLLAMA_VISION = dict(hidden_size=256, intermediate_size=1024, num_hidden_l
                            vision_output_dim=256 * 3, initializer_range=0.1)
 
 
-def save_random_mllama(directory: Path, seed: int = 0) -> Path:
+def save_random_mllama(directory: Path, seed: int = 0, **text_overrides) -> Path:
     """A Mllama whose vision tower has hidden 256, 4 local + 2 global layers, 224-pixel tiles of
-    14-pixel patches, and whose text model is the benchmarks' Llama with cross-attention at layers
-    3 and 7 (gates opened so the image matters)."""
+    14-pixel patches, and whose text model is the benchmarks' Llama with cross-attention at the
+    last layer of each half (3 and 7; gates opened so the image matters)."""
     from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaImageProcessor
 
     hf_logging.disable_progress_bar()
-    text = {k: v for k, v in BENCH_LLAMA.items() if not k.endswith("token_id")}
-    text.update(cross_attention_layers=[3, 7], bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    text = {k: v for k, v in {**BENCH_LLAMA, **text_overrides}.items() if not k.endswith("token_id")}
+    layers = text["num_hidden_layers"]
+    text.update(cross_attention_layers=[layers // 2 - 1, layers - 1], bos_token_id=1, eos_token_id=2,
+                pad_token_id=3)
     config = MllamaConfig(vision_config=BENCH_MLLAMA_VISION, text_config=text,
                           image_token_index=text["vocab_size"])
     torch.manual_seed(seed)
