@@ -51,7 +51,7 @@ tally() {  # add the counts of a pytest log's summary line (errors count as fail
 }
 
 begin=$SECONDS
-MMKV_TEST_DEVICE=cuda timeout 240 "$py" -m pytest -q -p no:cacheprovider tests --ignore=tests/gpu \
+MMKV_TEST_DEVICE=cuda timeout 240 "$py" -m pytest -p no:cacheprovider tests --ignore=tests/gpu \
     > "$out/tests_cuda.log" 2>&1
 tally "$out/tests_cuda.log" "tests/ on cuda ($((SECONDS - begin)) s)"
 
@@ -60,7 +60,7 @@ tail -n 6 "$out/jit_build.log"
 echo "JIT modules ready after $((SECONDS - begin)) s" | tee -a "$out/summary.txt"
 
 begin=$SECONDS
-timeout 180 "$py" -m pytest -q -s -p no:cacheprovider tests/gpu > "$out/tests_gpu.log" 2>&1
+timeout 180 "$py" -m pytest -s -p no:cacheprovider tests/gpu > "$out/tests_gpu.log" 2>&1
 grep "token agreement" "$out/tests_gpu.log" | tee -a "$out/summary.txt"
 tally "$out/tests_gpu.log" "tests/gpu ($((SECONDS - begin)) s)"
 
