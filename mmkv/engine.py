@@ -73,7 +73,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, SchedulerConfig(max_num_batched_tokens, max_num_seqs, preemption,
                                      enable_prefix_caching),
-            self.model.num_parameters, self.device.type)
+            self.model.text_rebuild_flops, self.device.type)
         if self.model.vision is not None and not enable_prefix_caching:
             self.model.vision.cache = EmbeddingCache(max_bytes=0)  # no reuse of any kind
         self.image_kv = (CrossAttentionKV(self.kv, self.model, self.attention,

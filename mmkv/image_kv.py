@@ -1,7 +1,8 @@
 """Cross-attention K/V of images, kept in the shared block pool under the image's uid.
 
 An image's K/V for every cross-attention layer fill ``ceil(tokens / block_size)`` blocks, cached in
-the radix tree under a namespace of their own with keys ``(0, uid << 32 | offset)``. A sequence
+the radix tree under a namespace of their own with keys ``(0, uid << 32 | offset)`` and, for the
+cost-based eviction policy, the cost of encoding the image and projecting its K/V again. A sequence
 holds one reference per block while it runs; when no sequence does, the blocks are evictable by the
 same policy as text. K/V are computed only for blocks the tree does not hold, and inserted right
 after they are written, so requests admitted in the same step share them.
@@ -54,7 +55,8 @@ class CrossAttentionKV:
                 start = table.num_tokens
                 self.kv.append_slots(table, missing)
                 self._write(image, table, start)
-                self.kv.cache_prefix(table, keys, self._namespace(seq))
+                cost = self.model.image_rebuild_flops(image.placement) / len(table.blocks)
+                self.kv.cache_prefix(table, keys, self._namespace(seq), cost)
             tables.append(table)
         seq.image_tables = tables
         return True

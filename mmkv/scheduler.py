@@ -16,11 +16,13 @@ Preemption either swaps the victim's private blocks to the host tier or drops th
 later. ``preemption="auto"`` picks per victim the cheaper by this estimate::
 
     swap      = SWAP_LATENCY + 2 * bytes_to_move / host_bandwidth      (out now, in later)
-    recompute = tokens_to_recompute * 2 * num_parameters / device_flops
+    recompute = rebuild_flops(tokens_to_recompute) / device_flops
 
 where the blocks to move (and the tokens to recompute) are the victim's blocks that no other
 sequence references; shared blocks stay where they are either way. Without room in the host tier
-the victim is recomputed.
+the victim is recomputed. ``rebuild_flops(start, count)`` is the model's cost of recomputing
+``count`` tokens from position ``start``; it is also each cached block's cost for the cost-based
+eviction policy.
 
 Guarantees: a scheduled sequence has its slots reserved; the most important running sequence always
 progresses, so a request that fits in the pool alone always finishes.
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -77,11 +79,11 @@ class PreemptionStats:
 class Scheduler:
     """Decides each step's batch and keeps sequences' block tables in step with the cache."""
 
-    def __init__(self, kv: KVCache, config: SchedulerConfig, num_parameters: int,
-                 device_type: str) -> None:
+    def __init__(self, kv: KVCache, config: SchedulerConfig,
+                 rebuild_flops: Callable[[int, int], float], device_type: str) -> None:
         self.kv = kv
         self.config = config
-        self.num_parameters = num_parameters
+        self.rebuild_flops = rebuild_flops
         self.flops, self.bandwidth = DEVICE_SPEED.get(device_type, DEVICE_SPEED["cuda"])
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -215,9 +217,12 @@ class Scheduler:
     def commit(self, seq: Sequence, n: int) -> None:
         """``n`` more tokens of ``seq`` have KV now; cache its newly completed full blocks."""
         seq.num_computed += n
-        full = seq.num_computed // self.kv.block_size
-        if self.config.enable_prefix_caching and full > seq.num_cached_blocks:
-            self.kv.cache_prefix(seq.table, seq.keys(full * self.kv.block_size), seq.namespace)
+        bs = self.kv.block_size
+        full = seq.num_computed // bs
+        new = full - seq.num_cached_blocks
+        if self.config.enable_prefix_caching and new > 0:
+            cost = self.rebuild_flops(seq.num_cached_blocks * bs, new * bs) / new
+            self.kv.cache_prefix(seq.table, seq.keys(full * bs), seq.namespace, cost)
             seq.num_cached_blocks = full
 
     def finish(self, seq: Sequence) -> None:
@@ -270,6 +275,7 @@ class Scheduler:
             return "recompute"
         if mode != "auto":
             return mode
+        bs = self.kv.block_size
         swap = SWAP_LATENCY + 2 * moved * self.kv.bytes_per_block / self.bandwidth
-        recompute = moved * self.kv.block_size * 2 * self.num_parameters / self.flops
+        recompute = self.rebuild_flops((len(seq.table.blocks) - moved) * bs, moved * bs) / self.flops
         return "swap" if swap < recompute else "recompute"

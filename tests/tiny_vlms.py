@@ -81,12 +81,13 @@ def build_llava(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def build_mmkv_vlm(directory: Path, seed: int = 0, **text) -> Path:
+def build_mmkv_vlm(directory: Path, seed: int = 0, vision_width: int = 32, vision_layers: int = 2,
+                   **text) -> Path:
     """``text`` overrides entries of the text model's config (and may add ``early_exit_layer``)."""
     early_exit = text.pop("early_exit_layer", None)
     config = {
-        "vision": {"open_clip_vision_cfg": {"image_size": 32, "layers": 2, "width": 32,
-                                            "patch_size": 8, "head_width": 16},
+        "vision": {"open_clip_vision_cfg": {"image_size": 32, "layers": vision_layers,
+                                            "width": vision_width, "patch_size": 8, "head_width": 16},
                    "embed_dim": 32, "image_size": 32,
                    "patch_name_ids": [[10 + p, 30 + p // 4] for p in range(16)], "patch_name_scale": 2.0},
         "text_config": {**TEXT, "num_hidden_layers": 4, "cross_attention_layers": [1, 3],

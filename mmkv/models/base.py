@@ -145,6 +145,9 @@ class ModelAdapter:
         self.max_model_len: int = c.max_position_embeddings
         self.vocab_size: int = c.vocab_size
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        text = {id(p) for m in (self.text_model, self.lm_head) for p in m.parameters()}
+        self._layer_parameters = sum(p.numel() for p in self.text_model.layers.parameters())
+        self._vision_parameters = sum(p.numel() for p in self.model.parameters() if id(p) not in text)
         self_layers = [i for i in range(self.num_layers) if i not in self.cross_layers]
         slots = {layer: slot for slot, layer in enumerate(self_layers)}
         slots.update({layer: j for j, layer in enumerate(self.cross_layers)})
@@ -153,11 +156,33 @@ class ModelAdapter:
         self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- layout ---------------------------------------------------------------------------------
-    def kv_layout(self, block_size: int) -> KVLayout:
+    @property
+    def head_dim(self) -> int:
         c = self.text_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return KVLayout(num_layers=self.num_slots, num_kv_heads=c.num_key_value_heads,
-                        head_dim=head_dim, block_size=block_size, dtype=self.dtype)
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    def kv_layout(self, block_size: int) -> KVLayout:
+        return KVLayout(num_layers=self.num_slots, num_kv_heads=self.text_config.num_key_value_heads,
+                        head_dim=self.head_dim, block_size=block_size, dtype=self.dtype)
+
+    # -- rebuild costs: what evicting or dropping cached K/V costs to compute again -------------
+    def text_rebuild_flops(self, start: int, count: int) -> float:
+        """FLOPs to recompute the K/V of ``count`` tokens at positions ``start, start + 1, ...``:
+        every decoder layer's weights once per token, and each token's attention over the
+        positions up to its own."""
+        c = self.text_config
+        pairs = count * start + count * (count + 1) / 2
+        return (2 * self._layer_parameters * count
+                + 4 * self.num_layers * c.num_attention_heads * self.head_dim * pairs)
+
+    def image_rebuild_flops(self, placement: ImagePlacement) -> float:
+        """FLOPs to compute an image's cross-attention K/V again from its pixels: the vision
+        tower and projector once per image token, then every cross-attention layer's K and V
+        projections."""
+        tokens = placement.xattn_tokens or placement.prompt_tokens
+        kv_width = self.text_config.num_key_value_heads * self.head_dim
+        projections = 2 * 2 * self.text_config.hidden_size * kv_width * len(self.cross_layers)
+        return tokens * (2 * self._vision_parameters + projections)
 
     def layer_views(self, storage_layers: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each model layer's KV tensor."""
