@@ -14,6 +14,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from cache import KVCache, parse_bytes
+from mmkv.attention.backend import AttentionBackend, choose_backend
 from mmkv.attention.metadata import CrossSequence, plan_batch, plan_cross
 from mmkv.image_kv import CrossAttentionKV
 from mmkv.models import StepContext, load_model, resolve_device
@@ -57,13 +58,16 @@ class Engine:
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  enable_prefix_caching: bool = True, eviction_policy: str = "lru",
                  preemption: str = "auto", cascade: bool = True,
-                 speculative: SpeculativeConfig | None = None, debug: bool = False) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 attention_backend: str | AttentionBackend = "auto", debug: bool = False) -> None:
         self.device = resolve_device(device)
         self.model = load_model(model, self.device, dtype)
         draft = None
         if speculative is not None and speculative.method == "draft_model":
             draft = load_model(speculative.draft_model, self.device, self.model.dtype)
         layout = self.model.kv_layout(block_size)
+        shapes = [(m.dtype, m.kv_layout(block_size).head_dim) for m in (self.model, draft) if m]
+        self.attention = choose_backend(attention_backend, self.device, shapes)
         self.kv = KVCache.from_memory(layout, kv_cache_memory, host_kv_memory, self.device,
                                       eviction_policy,
                                       [draft.kv_layout(block_size)] if draft is not None else [])
@@ -73,7 +77,8 @@ class Engine:
             self.model.text_rebuild_flops, self.device.type)
         if self.model.vision is not None and not enable_prefix_caching:
             self.model.vision.cache = EmbeddingCache(max_bytes=0)  # no reuse of any kind
-        self.image_kv = (CrossAttentionKV(self.kv, self.model, shared=enable_prefix_caching)
+        self.image_kv = (CrossAttentionKV(self.kv, self.model, self.attention,
+                                          shared=enable_prefix_caching)
                          if self.model.cross_layers else None)
         self.scheduler.image_kv = self.image_kv
         self.max_num_seqs = max_num_seqs
@@ -271,7 +276,7 @@ class Engine:
         ``q_lens[i]`` of the first ``kv_lens[i]`` positions of each sequence (slots reserved)."""
         meta = plan_batch([s.table.blocks for s in seqs], q_lens, kv_lens, self.kv.block_size,
                           self.device, cascade=self.cascade and self.model.cascade_allowed(max(kv_lens)))
-        step = StepContext(meta, self.model.layer_views(self.kv.storage.stores[0]))
+        step = StepContext(meta, self.model.layer_views(self.kv.storage.stores[0]), self.attention)
         if images:
             self._add_image_inputs(step, seqs, q_lens, kv_lens, meta.qo_indptr[:-1].tolist())
         return step

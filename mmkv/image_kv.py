@@ -11,9 +11,9 @@ after they are written, so requests admitted in the same step share them.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from cache import BlockTable, ImageSpan, KVCache, make_keys
+from mmkv.attention.backend import AttentionBackend
 from mmkv.models import ModelAdapter
 from mmkv.sequence import SeqImage, Sequence
 
@@ -22,9 +22,11 @@ class CrossAttentionKV:
     """Guarantees: a sequence that ``acquire`` accepted holds, per image, blocks whose K/V are the
     image's (one copy shared by every holder) until ``release``."""
 
-    def __init__(self, kv: KVCache, model: ModelAdapter, shared: bool = True) -> None:
+    def __init__(self, kv: KVCache, model: ModelAdapter, backend: AttentionBackend,
+                 shared: bool = True) -> None:
         self.kv = kv
         self.model = model
+        self.backend = backend
         self.shared = shared  # False: every sequence computes its own copy (caching off)
         self.computed_blocks = 0  # blocks whose K/V this engine computed (misses)
 
@@ -75,13 +77,8 @@ class CrossAttentionKV:
         n = image.placement.xattn_tokens
         if start >= n:
             return
-        bs = self.kv.block_size
-        pos = torch.arange(start, n)
-        pages = torch.tensor(table.blocks, dtype=torch.long)
-        blocks, offsets = pages[pos // bs].to(self.kv.storage.device), (pos % bs).to(self.kv.storage.device)
         layers = self.model.layer_views(self.kv.storage.stores[0])
         embeddings = self.model.vision.embeddings(image.image)
         for idx, (k, v) in zip(self.model.cross_layers, self.model.xattn_kv(embeddings)):
-            layers[idx][blocks, 0, offsets] = k[start:n].to(layers[idx].dtype)
-            layers[idx][blocks, 1, offsets] = v[start:n].to(layers[idx].dtype)
-        self.computed_blocks += len(table.blocks) - start // bs
+            self.backend.write_image_kv(layers[idx], table.blocks, start, k[start:n], v[start:n])
+        self.computed_blocks += len(table.blocks) - start // self.kv.block_size

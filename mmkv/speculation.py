@@ -139,7 +139,7 @@ class Speculator(ABC):
         if self._previous is not None and self._previous[0] == key:
             last = self._previous[1]
             batch = next_position(last.batch)
-            step = (StepContext(batch, last.kv_layers) if batch is not None
+            step = (StepContext(batch, last.kv_layers, last.backend) if batch is not None
                     else self.context(seqs, [1] * len(seqs), kv_lens, images=False))
             step.cross = last.cross
         else:
@@ -197,14 +197,14 @@ class DraftModelSpeculator(Speculator):
         return self.draft.layer_views(self.storage.stores[1])
 
     def follow(self, input_ids: torch.Tensor, step: StepContext) -> None:
-        self.draft.forward(input_ids, StepContext(step.batch, self.draft_layers),
+        self.draft.forward(input_ids, StepContext(step.batch, self.draft_layers, step.backend),
                            torch.zeros(0, dtype=torch.long, device=input_ids.device))
 
     def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
         step = self._draft_context(seqs, kv_lens, live, images=False)  # the draft reads text only
         ids = torch.tensor(tokens, dtype=torch.long, device=step.batch.positions.device)
         rows = torch.tensor(drafting, dtype=torch.long, device=ids.device)
-        return self.draft.forward(ids, StepContext(step.batch, self.draft_layers), rows)
+        return self.draft.forward(ids, StepContext(step.batch, self.draft_layers, step.backend), rows)
 
     def _verify_logits(self, seqs, gammas, drafts, lens):
         step = self.context(seqs, [g + 1 for g in gammas], [n + g for n, g in zip(lens, gammas)])

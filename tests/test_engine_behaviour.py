@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from mmkv import Engine, ModelLoadError, SamplingParams
-from test_engine_oracle import GREEDY, engine, prompts
+from test_engine_oracle import GREEDY, engine as device_engine, prompts
+
+
+def engine(model_dirs, **kw) -> Engine:
+    """These tests compare outputs exactly: on the CPU in float32 whatever MMKV_TEST_DEVICE says."""
+    return device_engine(model_dirs, device="cpu", **kw)
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(model_dirs):

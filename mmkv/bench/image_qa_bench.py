@@ -4,7 +4,8 @@ A random Mllama (vision tower hidden 256, 4 local + 2 global layers, 224-pixel t
 text model the prefix benchmark's Llama with cross-attention at layers 3 and 7) answers ``--q``
 questions about each of ``--i`` images, ``--a`` greedy tokens each. mmkv gets every request in one
 ``generate`` call (cold cache); transformers gets one batched ``generate`` per image (the image
-repeated for each question, as its API needs). Outputs must be equal.
+repeated for each question, as its API needs). Outputs must be equal. ``--device cuda`` runs both
+sides on the GPU (in ``--dtype``, mmkv on ``--attention-backend``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers.models.mllama.processing_mllama import (
 
 from mmkv import Engine, SamplingParams
 from mmkv.bench import timed
+from mmkv.bench.prefix_bench import add_device_arguments
 from mmkv.bench.random_models import BENCH_LLAMA, save_random_mllama, text_size
 
 
@@ -35,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="text model width (the figures in the README use the default)")
     p.add_argument("--num-layers", type=int, default=BENCH_LLAMA["num_hidden_layers"])
     p.add_argument("--seed", type=int, default=0)
+    add_device_arguments(p)
 
 
 @torch.inference_mode()
@@ -44,9 +47,12 @@ def hf_answers(model, processor, image: Image.Image, prompts: list[list[int]], n
     sparse = [get_cross_attention_token_mask(p, model.config.image_token_index) for p in prompts]
     mask = torch.tensor(convert_sparse_cross_attention_mask_to_dense(
         sparse, tiles, model.config.vision_config.max_num_tiles, len(prompts[0])))
-    out = model.generate(torch.tensor(prompts), pixel_values=inputs["pixel_values"],
-                         aspect_ratio_ids=inputs["aspect_ratio_ids"],
-                         aspect_ratio_mask=inputs["aspect_ratio_mask"], cross_attention_mask=mask,
+    device = model.device
+    out = model.generate(torch.tensor(prompts, device=device),
+                         pixel_values=inputs["pixel_values"].to(device, model.dtype),
+                         aspect_ratio_ids=inputs["aspect_ratio_ids"].to(device),
+                         aspect_ratio_mask=inputs["aspect_ratio_mask"].to(device),
+                         cross_attention_mask=mask.to(device),
                          max_new_tokens=new, min_new_tokens=new, do_sample=False)
     return out[:, len(prompts[0]):].tolist()
 
@@ -59,7 +65,8 @@ def run(args: argparse.Namespace) -> dict:
         model_dir = save_random_mllama(Path(tmp) / "mllama", seed=args.seed,
                                        **text_size(args.hidden_size, args.num_layers))
         engine = Engine(model_dir, kv_cache_memory="1GiB", host_kv_memory="64MiB",
-                        block_size=args.block_size, device="cpu")
+                        block_size=args.block_size, device=args.device, dtype=args.dtype,
+                        attention_backend=args.attention_backend)
         image_token = engine.model.image_token_id
         questions = [[image_token, 1] + rng.integers(4, 8000, size=args.question_tokens).tolist()
                      for _ in range(args.q)]
@@ -68,7 +75,8 @@ def run(args: argparse.Namespace) -> dict:
         requests = [{"prompt": q, "images": [img]} for img in images for q in questions]
         ours, mmkv_s = timed(lambda: [o.token_ids for o in engine.generate(requests, params)])
 
-        model = MllamaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = MllamaForConditionalGeneration.from_pretrained(
+            model_dir, dtype=getattr(torch, args.dtype)).to(args.device).eval()
         processor = AutoImageProcessor.from_pretrained(model_dir)
         hf_answers(model, processor, images[0], questions[:1], 2)  # warm-up
         theirs, hf_s = timed(lambda: [a for img in images
@@ -88,4 +96,5 @@ def run(args: argparse.Namespace) -> dict:
         "hf_batched_seconds": round(hf_s, 3),
         "questions_per_image": args.q,
         "answer_tokens": args.a,
+        "device": args.device, "dtype": args.dtype, "attention_backend": engine.attention.name,
     }

@@ -13,7 +13,7 @@ first slots, since a block holds either text K/V or image K/V, never both.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 from transformers import AttentionInterface, AutoConfig, PretrainedConfig
 
 from cache import KVLayout
-from mmkv.attention import torch_backend
+from mmkv.attention.backend import AttentionBackend
 from mmkv.attention.metadata import CrossBatch, PagedBatch
 from vision import PreparedImage, VisionPipeline
 
@@ -38,23 +38,27 @@ class StepContext:
 
     batch: PagedBatch
     kv_layers: list[torch.Tensor]  # per model layer: its storage slot
+    backend: AttentionBackend
     image_rows: torch.Tensor | None = None  # packed rows whose embedding comes from an image
     image_embeds: torch.Tensor | None = None
     cross: CrossBatch | None = None
+    plans: dict = field(default_factory=dict)  # the backend's work prepared once for this step
 
 
 def _paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, attention_mask: torch.Tensor | None,
                      scaling: float | None = None, sliding_window: int | None = None,
                      mmkv_step: StepContext | None = None, **_: object):
-    """transformers attention hook: write this step's K/V into the pages, attend over the pages."""
+    """transformers attention hook: write this step's K/V into the pages, attend over the pages
+    (with the engine's attention backend)."""
     if mmkv_step is None:
         raise RuntimeError("mmkv's paged attention runs only inside an mmkv engine step")
     layer = mmkv_step.kv_layers[module.layer_idx]
+    backend = mmkv_step.backend
     q = query[0].transpose(0, 1)  # [T, heads, head_dim]
-    torch_backend.write_kv(layer, mmkv_step.batch, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    backend.write_kv(mmkv_step, layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = torch_backend.attention(q, layer, mmkv_step.batch, scale, sliding_window)
+    out = backend.attention(mmkv_step, q, layer, scale, sliding_window)
     return out[None], None
 
 
