@@ -134,6 +134,23 @@ class BlockPool:
         live = {b for b in range(self.num_blocks) if self.refcount[b] or self.cached[b]}
         self._free = [b for b in range(self.num_blocks - 1, -1, -1) if b not in live]
 
+    def resize(self, num_blocks: int) -> None:
+        """Grow the pool (new ids are handed out last), or shrink it to ``num_blocks`` when every
+        block from there on is free (compact first)."""
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        live = [b for b in range(num_blocks, self.num_blocks) if self.refcount[b] or self.cached[b]]
+        if live:
+            raise ValueError(f"cannot shrink to {num_blocks} blocks: block {live[0]} is live")
+        if num_blocks >= self.num_blocks:
+            self._free[:0] = range(num_blocks - 1, self.num_blocks - 1, -1)
+        else:
+            self._free = [b for b in self._free if b < num_blocks]
+        grow = num_blocks - self.num_blocks
+        self.refcount = self.refcount[:num_blocks] + [0] * max(grow, 0)
+        self.cached = self.cached[:num_blocks] + [False] * max(grow, 0)
+        self.num_blocks = num_blocks
+
     # -- checks ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Prove free + evictable + in use == total and that no block is in two states."""

@@ -2,7 +2,8 @@
 
 This is the interface the scheduler uses. Sequences own a ``BlockTable``; the cache hands out
 blocks, shares them (prefix hits, forks), copies a shared block before it is written
-(copy-on-write), swaps tables to the host tier and back, and compacts the pool.
+(copy-on-write), swaps tables to the host tier and back, and compacts the pool (which is how it
+grows or shrinks without losing what is live).
 
 Invariants: a block is written only while its refcount is 1 and it is not cached (shared blocks are
 immutable); every allocation either succeeds whole or raises ``OutOfBlocksError`` and changes
@@ -44,6 +45,10 @@ class SwappedTable:
     blocks: list[int]
     host_slots: list[int]
     num_tokens: int
+
+    def remap(self, mapping: dict[int, int]) -> None:
+        """Apply a compaction's ``old -> new`` renaming to the blocks still on the device."""
+        self.blocks = [mapping.get(b, b) if b >= 0 else b for b in self.blocks]
 
 
 class KVCache:
@@ -238,6 +243,24 @@ class KVCache:
         self.pool.relocate(mapping)
         self.tree.relocate(mapping)
         self.metrics.compactions += 1
+        return mapping
+
+    def resize(self, num_blocks: int) -> dict[int, int]:
+        """Grow or shrink the device pool to ``num_blocks``, keeping every block in use and as
+        many cached blocks as fit (the eviction policy chooses which go). Live blocks are
+        compacted to the low end first; returns that ``old -> new`` renaming for the callers'
+        tables. Raises ``ValueError``, changing nothing, when the blocks in use exceed
+        ``num_blocks``."""
+        if num_blocks < max(self.pool.num_in_use, 1):
+            raise ValueError(f"cannot resize the KV pool to {num_blocks} blocks: "
+                             f"{self.pool.num_in_use} are in use")
+        excess = self.pool.num_blocks - self.pool.num_free - num_blocks
+        if excess > 0:
+            self.tree.evict(excess)
+        mapping = self.compact()
+        self.pool.resize(num_blocks)
+        self.tree.resize(num_blocks)
+        self.storage.resize(num_blocks)
         return mapping
 
     # -- reporting ------------------------------------------------------------------------------

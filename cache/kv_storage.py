@@ -101,16 +101,29 @@ class KVStorage:
         """Compaction: data of each ``old`` block ends up in ``new``."""
         self.copy_blocks(list(mapping), list(mapping.values()))
 
+    def resize(self, num_blocks: int) -> None:
+        """Reallocate every device store for ``num_blocks`` blocks, keeping the data of the
+        blocks both sizes hold (the first ``min(old, new)``)."""
+        keep = min(num_blocks, self.num_blocks)
+        for store in self.stores:
+            for i, layer in enumerate(store):
+                fresh = torch.zeros((num_blocks, *layer.shape[1:]), dtype=layer.dtype, device=self.device)
+                fresh[:keep] = layer[:keep]
+                store[i] = fresh
+        self.layers = [t for store in self.stores for t in store]
+        self.num_blocks = num_blocks
+
     def swap_out(self, blocks: list[int], host_slots: list[int]) -> None:
         """Device blocks -> host slots."""
         if not blocks:
             return
         d = torch.tensor(blocks, device=self.device)
         h = torch.tensor(host_slots)
-        for layer, host in zip(self.layers, self.host):
-            host[h] = layer[d].to("cpu", non_blocking=True)
-        if self.device.type == "cuda":
+        staged = [layer[d].to("cpu", non_blocking=True) for layer in self.layers]
+        if self.device.type == "cuda":  # the copies above are asynchronous: wait before reading
             torch.cuda.synchronize(self.device)
+        for host, data in zip(self.host, staged):
+            host[h] = data
 
     def swap_in(self, host_slots: list[int], blocks: list[int]) -> None:
         """Host slots -> device blocks."""

@@ -208,6 +208,12 @@ class RadixTree:
             for b in node.blocks:
                 self._node_of[b] = node
 
+    def resize(self, num_blocks: int) -> None:
+        """Follow the pool to ``num_blocks`` ids (no cached block may sit past the new end)."""
+        if any(node is not None for node in self._node_of[num_blocks:]):
+            raise ValueError(f"cannot shrink to {num_blocks} blocks: a cached block lies beyond")
+        self._node_of = self._node_of[:num_blocks] + [None] * (num_blocks - len(self._node_of))
+
     # -- internals ------------------------------------------------------------------------------
     def _walk(self, node: Node, bkeys: list[bytes], hit: bool) -> tuple[Node, list[int]]:
         """Follow ``bkeys`` down from ``node``; touch and collect every matched block; split the

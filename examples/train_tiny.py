@@ -51,9 +51,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from mmkv.eval import evaluate
 from mmkv.models import MmkvVLM
-from mmkv.synthetic import (COLOURS, POSITIONS, QA, REPORT_FILLERS, SHAPES, SIZES, document_examples,
-                            document_prompt, random_report, random_scene, report_questions, scene_examples,
-                            scene_prompt, scene_questions)
+from mmkv.synthetic import (CHAT_TEMPLATE, COLOURS, POSITIONS, QA, REPORT_FILLERS, SHAPES, SIZES,
+                            document_examples, document_prompt, random_report, random_scene,
+                            report_questions, scene_examples, scene_prompt, scene_questions)
 from vision import OpenClipEncoder
 
 TRAIN_SEED_OFFSET = 1_000  # evaluation uses seeds below this
@@ -69,7 +69,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
-                                   additional_special_tokens=[IMAGE_TOKEN])
+                                   additional_special_tokens=[IMAGE_TOKEN], chat_template=CHAT_TEMPLATE)
 
 
 def vlm_config(args, tokenizer: PreTrainedTokenizerFast) -> dict:
@@ -402,9 +402,9 @@ def main() -> None:
     draft = train_draft(args, tokenizer, history)
     vlm_dir, draft_dir = args.out / "tiny-vlm", args.out / "tiny-draft"
     vlm.save_pretrained(vlm_dir)
-    tokenizer.save_pretrained(vlm_dir)
+    tokenizer.save_pretrained(vlm_dir, save_jinja_files=False)  # the chat template in its config
     draft.save_pretrained(draft_dir)
-    tokenizer.save_pretrained(draft_dir)
+    tokenizer.save_pretrained(draft_dir, save_jinja_files=False)
     plot(history, args.out / "loss.png")
     minutes = round((time.time() - start) / 60, 1)
     held_out = evaluate(vlm_dir, *((4, 2) if args.smoke else (200, 100)))

@@ -9,16 +9,18 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence as Seq
 
 import torch
+from jinja2 import TemplateError
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
-from cache import KVCache
+from cache import KVCache, parse_bytes
+from mmkv.attention.backend import AttentionBackend, choose_backend
 from mmkv.attention.metadata import CrossSequence, plan_batch, plan_cross
 from mmkv.image_kv import CrossAttentionKV
 from mmkv.models import MRopePositions, StepContext, load_model, resolve_device
 from mmkv.models.mrope import step_positions
 from mmkv.outputs import CompletionOutput, RequestOutput
-from mmkv.sampler import sample
+from mmkv.sampler import sample, token_logprob
 from mmkv.sampling_params import SamplingParams
 from mmkv.scheduler import Scheduler, SchedulerConfig
 from mmkv.speculation import DraftModelSpeculator, EarlyExitSpeculator
@@ -58,25 +60,30 @@ class Engine:
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  enable_prefix_caching: bool = True, eviction_policy: str = "lru",
                  preemption: str = "auto", cascade: bool = True,
-                 speculative: SpeculativeConfig | None = None, debug: bool = False) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 attention_backend: str | AttentionBackend = "auto", debug: bool = False) -> None:
         self.device = resolve_device(device)
         self.model = load_model(model, self.device, dtype)
         draft = None
         if speculative is not None and speculative.method == "draft_model":
             draft = load_model(speculative.draft_model, self.device, self.model.dtype)
         layout = self.model.kv_layout(block_size)
+        shapes = [(m.dtype, m.kv_layout(block_size).head_dim) for m in (self.model, draft) if m]
+        self.attention = choose_backend(attention_backend, self.device, shapes)
         self.kv = KVCache.from_memory(layout, kv_cache_memory, host_kv_memory, self.device,
                                       eviction_policy,
                                       [draft.kv_layout(block_size)] if draft is not None else [])
         self.scheduler = Scheduler(
             self.kv, SchedulerConfig(max_num_batched_tokens, max_num_seqs, preemption,
                                      enable_prefix_caching),
-            self.model.num_parameters, self.device.type)
+            self.model.text_rebuild_flops, self.device.type)
         if self.model.vision is not None and not enable_prefix_caching:
             self.model.vision.cache = EmbeddingCache(max_bytes=0)  # no reuse of any kind
-        self.image_kv = (CrossAttentionKV(self.kv, self.model, shared=enable_prefix_caching)
+        self.image_kv = (CrossAttentionKV(self.kv, self.model, self.attention,
+                                          shared=enable_prefix_caching)
                          if self.model.cross_layers else None)
         self.scheduler.image_kv = self.image_kv
+        self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len or self.model.max_model_len, self.model.max_model_len)
         self.tokenizer = _load_tokenizer(Path(model), self.model.text_config)
         self.eos_token_ids = _eos_ids(Path(model), self.model.text_config, self.tokenizer)
@@ -85,11 +92,12 @@ class Engine:
         self._requests: dict[int, list[Sequence]] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
-        self._counters = {"prompt_tokens": 0, "computed_prefill_tokens": 0, "decode_tokens": 0}
+        self._counters = {"prompt_tokens": 0, "computed_prefill_tokens": 0, "decode_tokens": 0,
+                          "generated_tokens": 0}
         self._peak_blocks = 0
         self.speculator = None
         if draft is not None:
-            self.speculator = DraftModelSpeculator(self.model, draft, self.kv.storage.stores[1],
+            self.speculator = DraftModelSpeculator(self.model, draft, self.kv.storage,
                                                    speculative, self._context)
         elif speculative is not None:
             self.speculator = EarlyExitSpeculator(self.model, speculative, self._context)
@@ -108,7 +116,7 @@ class Engine:
         seq = Sequence(seq_id=request_id, request_id=request_id, index=0, token_ids=req.token_ids,
                        prompt_len=len(req.token_ids), params=params, arrival=next(self._arrivals),
                        namespace=req.namespace, generator=generator, images=req.images,
-                       rope=req.rope)
+                       rope=req.rope, logprobs=None if params.logprobs is None else [])
         self._requests[request_id] = [seq]
         self._counters["prompt_tokens"] += len(req.token_ids)
         self.scheduler.add(seq)
@@ -150,9 +158,7 @@ class Engine:
                           or self.tokenizer.convert_ids_to_tokens(self.model.image_token_id))
                 prompt = prompt.replace(IMAGE_PLACEHOLDER, markup)
             if chat:
-                messages = [{"role": "user", "content": prompt}]
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                         tokenize=True, return_dict=False)
+                ids = self.render_chat([{"role": "user", "content": prompt}])
             else:
                 ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
@@ -167,6 +173,21 @@ class Engine:
         if not ids:
             raise ValueError(f"{label}: prompt is empty")
         return list(ids)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of ``messages`` (``{"role", "content"}``; content a string or a list of
+        ``{"type": "text", "text"}`` and ``{"type": "image"}`` parts) rendered by the model's chat
+        template with the generation prompt; each image part becomes the model's image token, for
+        an image passed with the prompt. ``ValueError`` when the model has no chat template or the
+        template refuses the messages."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("this model directory has no chat template (tokenizer_config.json "
+                             "'chat_template' or chat_template.jinja); send a plain prompt instead")
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
+        except TemplateError as err:
+            raise ValueError(f"the chat template refused the messages: {err}") from err
 
     def _place_images(self, token_ids: list[int], images: list[ImageInput],
                       label: str) -> tuple[list[int], list[SeqImage]]:
@@ -210,22 +231,51 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns the outputs of requests that progressed."""
+        """Run one scheduling step; returns the outputs of requests that progressed, and of those
+        that failed in it (finished, ``error`` set, their blocks released)."""
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            if self.scheduler.has_work():
-                raise RuntimeError("the scheduler could not schedule any work")
-            return []
+        failed = {seq.request_id: err for seq, err in self.scheduler.take_failures()}
+        if not batch.seqs and not failed and self.scheduler.has_work():
+            raise RuntimeError("the scheduler could not schedule any work")
         plain, spec = self._split_speculative(batch.seqs, batch.q_lens)
         self._peak_blocks = max(self._peak_blocks, self.kv.pool.num_in_use)
         touched: dict[int, None] = {}
         if plain:
-            self._run_plain([s for s, _ in plain], [q for _, q in plain], touched)
+            self._run_plain([s for s, _ in plain], [q for _, q in plain], touched, failed)
         if spec:
-            self._run_speculative([s for s, _ in spec], [g for _, g in spec], touched)
+            self._run_speculative([s for s, _ in spec], [g for _, g in spec], touched, failed)
+        outputs = [self._output(r) for r in touched if r not in failed]
+        outputs += [self._fail(r, err) for r, err in failed.items()]
         if self.debug:
             self.kv.check_integrity()
-        return [self._output(r) for r in touched]
+        return outputs
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request now: its sequences leave the scheduler and every block they hold
+        (running, waiting or swapped) is released before this returns. False when the request is
+        unknown or already finished."""
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+        return True
+
+    def _fail(self, request_id: int, err: BaseException) -> RequestOutput:
+        """End a request that raised inside a step; its output carries the error."""
+        first = self._requests[request_id][0]
+        self.abort(request_id)
+        return RequestOutput(request_id, first.token_ids[: first.prompt_len], [], True,
+                             first.cached_tokens, error=f"{type(err).__name__}: {err}")
+
+    def check_integrity(self) -> None:
+        """Prove the block accounting (device pool, radix tree, host tier), and that an engine
+        with no unfinished request holds no block and no request."""
+        self.kv.check_integrity()
+        if not self.has_unfinished():
+            assert self.kv.pool.num_in_use == 0, f"idle engine holds {self.kv.pool.num_in_use} blocks"
+            assert not self._requests, f"idle engine tracks requests {sorted(self._requests)}"
 
     def _context(self, seqs: list[Sequence], q_lens: list[int], kv_lens: list[int],
                  images: bool = True) -> StepContext:
@@ -233,7 +283,7 @@ class Engine:
         ``q_lens[i]`` of the first ``kv_lens[i]`` positions of each sequence (slots reserved)."""
         meta = plan_batch([s.table.blocks for s in seqs], q_lens, kv_lens, self.kv.block_size,
                           self.device, cascade=self.cascade and self.model.cascade_allowed(max(kv_lens)))
-        step = StepContext(meta, self.model.layer_views(self.kv.storage.stores[0]))
+        step = StepContext(meta, self.model.layer_views(self.kv.storage.stores[0]), self.attention)
         if seqs[0].rope is not None:
             rope = step_positions([s.rope for s in seqs], q_lens, kv_lens)
             step.rope_positions = torch.from_numpy(rope).to(self.device)
@@ -241,7 +291,37 @@ class Engine:
             self._add_image_inputs(step, seqs, q_lens, kv_lens, meta.qo_indptr[:-1].tolist())
         return step
 
-    def _run_plain(self, seqs: list[Sequence], q_lens: list[int], touched: dict[int, None]) -> None:
+    def _run_plain(self, seqs: list[Sequence], q_lens: list[int], touched: dict[int, None],
+                   failed: dict[int, BaseException]) -> None:
+        """Compute the scheduled tokens and sample where a sequence's last token was computed.
+        When the batch raises, each request runs alone and one that raises alone has failed."""
+        try:
+            logits, sampling = self._forward_plain(seqs, q_lens)
+        except Exception as err:
+            groups: dict[int, list[int]] = {}
+            for i, s in enumerate(seqs):
+                groups.setdefault(s.request_id, []).append(i)
+            if len(groups) == 1:
+                failed[seqs[0].request_id] = err
+                return
+            for rows in groups.values():
+                self._run_plain([seqs[i] for i in rows], [q_lens[i] for i in rows], touched, failed)
+            return
+        for s, q in zip(seqs, q_lens):
+            phase = "decode_tokens" if q == 1 and s.num_computed >= s.prompt_len else "computed_prefill_tokens"
+            self._counters[phase] += q
+            self.scheduler.commit(s, q)
+        for row, i in enumerate(sampling):
+            try:
+                self._accept(seqs[i], logits[row])
+            except Exception as err:
+                failed.setdefault(seqs[i].request_id, err)
+                continue
+            touched[seqs[i].request_id] = None
+
+    def _forward_plain(self, seqs: list[Sequence], q_lens: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Logits at the last token of every sequence whose last token is computed now (and the
+        indices of those sequences). Writes K/V only into the reserved slots, so it can rerun."""
         kv_lens = [s.num_computed + q for s, q in zip(seqs, q_lens)]
         step = self._context(seqs, q_lens, kv_lens)
         input_ids = torch.tensor([t for s, q in zip(seqs, q_lens)
@@ -254,13 +334,7 @@ class Engine:
         logits = self.model.forward(input_ids, step, rows)
         if self.speculator is not None:
             self.speculator.follow(input_ids, step)
-        for s, q in zip(seqs, q_lens):
-            phase = "decode_tokens" if q == 1 and s.num_computed >= s.prompt_len else "computed_prefill_tokens"
-            self._counters[phase] += q
-            self.scheduler.commit(s, q)
-        for row, i in enumerate(sampling):
-            self._accept(seqs[i], logits[row])
-            touched[seqs[i].request_id] = None
+        return logits, sampling
 
     def _split_speculative(self, seqs: list[Sequence], q_lens: list[int]):
         """Decoding sequences that can speculate get ``gamma`` more slots reserved (pairs
@@ -268,7 +342,8 @@ class Engine:
         plain, spec = [], []
         for seq, q in zip(seqs, q_lens):
             gamma = 0
-            if self.speculator is not None and q == 1 and seq.num_pending == 1 and seq.params.n == 1:
+            if (self.speculator is not None and q == 1 and seq.num_pending == 1 and seq.params.n == 1
+                    and seq.params.logprobs is None):
                 room = min(seq.params.max_tokens - len(seq.output_ids),
                            self.max_model_len - len(seq.token_ids)) - 1
                 gamma = max(0, min(self.speculator.config.num_tokens, room))
@@ -282,9 +357,15 @@ class Engine:
                 plain.append((seq, q))
         return plain, spec
 
-    def _run_speculative(self, seqs: list[Sequence], gammas: list[int],
-                         touched: dict[int, None]) -> None:
-        verdicts = self.speculator.round(seqs, gammas, [self._stop_tokens(s) for s in seqs])
+    def _run_speculative(self, seqs: list[Sequence], gammas: list[int], touched: dict[int, None],
+                         failed: dict[int, BaseException]) -> None:
+        try:
+            verdicts = self.speculator.round(seqs, gammas, [self._stop_tokens(s) for s in seqs])
+        except Exception:  # give the drafts' slots back and decode plainly, failing alone
+            for seq in seqs:
+                self.kv.truncate(seq.table, len(seq.token_ids))
+            self._run_plain(seqs, [1] * len(seqs), touched, failed)
+            return
         for seq, verdict in zip(seqs, verdicts):
             valid = len(seq.token_ids) + verdict.accepted  # positions whose K/V is the target's
             self.kv.truncate(seq.table, valid)
@@ -335,12 +416,16 @@ class Engine:
             family += self._fork(seq)
         tokens = sample(logits[None].expand(len(family), -1), [s.params for s in family],
                         [s.generator for s in family])
+        logprobs = torch.log_softmax(logits.float(), -1) if seq.params.logprobs is not None else None
         for s, token in zip(family, tokens):
+            if logprobs is not None:
+                s.logprobs.append(token_logprob(logprobs, token, s.params.logprobs))
             self._append(s, token)
 
     def _append(self, seq: Sequence, token: int) -> bool:
         """Add a generated token; finish the sequence when it should stop (returns True)."""
         seq.token_ids.append(token)
+        self._counters["generated_tokens"] += 1
         reason = self._finish_reason(seq, token)
         if reason is not None:
             self._finish(seq, reason)
@@ -362,6 +447,7 @@ class Engine:
                              num_computed=parent.num_computed,
                              num_cached_blocks=parent.num_cached_blocks, admitted=True,
                              cached_tokens=parent.cached_tokens, images=parent.images,
+                             logprobs=None if parent.logprobs is None else list(parent.logprobs),
                              image_tables=[self.kv.fork(t) for t in parent.image_tables],
                              rope=parent.rope)
             self.scheduler.running.append(child)
@@ -396,12 +482,39 @@ class Engine:
         outputs = []
         for s in sorted(seqs, key=lambda s: s.index):
             text = s.text if s.finish_reason == "stop" and s.text else self._detokenize(s.output_ids)
-            outputs.append(CompletionOutput(s.index, text, list(s.output_ids), s.finish_reason))
+            outputs.append(CompletionOutput(s.index, text, list(s.output_ids), s.finish_reason,
+                                            None if s.logprobs is None else list(s.logprobs)))
         finished = all(s.status is Status.FINISHED for s in seqs) and len(seqs) == seqs[0].params.n
         if finished:
             del self._requests[request_id]
         return RequestOutput(request_id, seqs[0].token_ids[: seqs[0].prompt_len], outputs, finished,
                              seqs[0].cached_tokens)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def resize_kv_cache(self, kv_cache_memory: str | int) -> int:
+        """Grow or shrink the device KV pool to a new byte budget between steps, with requests
+        running, swapped out or waiting; returns the new number of blocks.
+
+        Live K/V moves to the low end of the pool (compaction) and every table follows it; cached
+        prefixes that no longer fit are evicted in the eviction policy's order, the rest stay.
+        Raises ``ValueError``, changing nothing, when the blocks in use do not fit the new size
+        or an unfinished request could no longer fit the pool alone.
+        """
+        blocks = parse_bytes(kv_cache_memory) // self.kv.bytes_per_block
+        seqs = [s for family in self._requests.values() for s in family
+                if s.status is not Status.FINISHED]
+        for seq in seqs:
+            longest = min(seq.prompt_len + seq.params.max_tokens, self.max_model_len)
+            need = -(-longest // self.kv.block_size)
+            if need > blocks:
+                raise ValueError(f"kv_cache_memory {kv_cache_memory!r} holds {blocks} blocks, but "
+                                 f"request {seq.request_id} needs {need}")
+        mapping = self.kv.resize(blocks)
+        for seq in seqs:
+            for table in (seq.table, seq.swapped, *seq.image_tables):
+                if table is not None:
+                    table.remap(mapping)
+        return blocks
 
     # -- convenience ----------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -412,7 +525,10 @@ class Engine:
         A prompt is a string, a list of token ids, or ``{"prompt": ..., "images": [...]}`` with one
         ``<image>`` placeholder per image. Every request is checked before any is queued: with
         ``errors="raise"`` a bad one raises ``ValueError`` and nothing runs; with ``"return"`` its
-        output carries the error and the others run.
+        output carries the error and the others run. A request that fails while running (an
+        exception inside its step) fails alone: ``"raise"`` raises ``RuntimeError`` naming it,
+        ``"return"`` returns it with ``error`` set. However this call ends, none of its requests
+        stays in the engine.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
@@ -436,12 +552,19 @@ class Engine:
         wanted = {i for i in ids if i is not None}
         results: dict[int, RequestOutput] = {}
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
-        with tqdm(total=len(wanted), disable=not show, desc="mmkv") as bar:
-            while wanted - results.keys():
-                for out in self.step():
-                    if out.finished and out.request_id in wanted:
-                        results[out.request_id] = out
-                        bar.update(1)
+        try:
+            with tqdm(total=len(wanted), disable=not show, desc="mmkv") as bar:
+                while wanted - results.keys():
+                    for out in self.step():
+                        if out.finished and out.request_id in wanted:
+                            results[out.request_id] = out
+                            bar.update(1)
+                            if out.error is not None and errors == "raise":
+                                raise RuntimeError(f"request {ids.index(out.request_id)} failed: "
+                                                   f"{out.error}")
+        finally:  # leaving by an exception: nothing of this call stays queued
+            for request_id in wanted - results.keys():
+                self.abort(request_id)
         return [results[i] if i is not None else RequestOutput(-1, [], [], True, 0, error=str(r))
                 for i, r in zip(ids, prepared)]
 
@@ -462,30 +585,38 @@ class Engine:
         per_image = [outs[i * len(questions):(i + 1) * len(questions)] for i in range(len(image_list))]
         return per_image[0] if single else per_image
 
-    def _question_prompt(self, question: str) -> str:
+    def _question_prompt(self, question: str) -> str | list[int]:
         if not self.model.chat_questions:
             return self.model.question_template.format(question=question)
-        if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise ValueError("this model directory has no chat template to put questions in")
-        content = [{"type": "image"}, {"type": "text", "text": question}]
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                                  add_generation_prompt=True, tokenize=False)
+        return self.render_chat([{"role": "user", "content": [{"type": "image"},
+                                                              {"type": "text", "text": question}]}])
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                cache_salt: str | None = None, chat: bool = False) -> Iterator[RequestOutput]:
-        """Yield the request's output after every step that extends it, the last one finished."""
+        """Yield the request's output after every step that extends it, the last one finished.
+        Closing the iterator early (or an exception in the caller's loop) aborts the request; a
+        request that fails inside a step raises ``RuntimeError``."""
         request_id = self.add_request(prompt, params, cache_salt, chat)
-        while True:
-            for out in self.step():
-                if out.request_id == request_id:
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id != request_id:
+                        continue
+                    if out.error is not None:
+                        raise RuntimeError(f"request failed: {out.error}")
                     yield out
                     if out.finished:
                         return
+        finally:
+            self.abort(request_id)  # nothing to do when it finished
 
     def stats(self) -> dict[str, int]:
-        pool, pre = self.kv.pool, self.scheduler.preemptions
+        pool, pre, sched = self.kv.pool, self.scheduler.preemptions, self.scheduler
+        running = {s.request_id for s in sched.running}
         return {
             **self._counters,
+            "requests_running": len(running),
+            "requests_waiting": len({s.request_id for s in (*sched.waiting, *sched.swapped)} - running),
             "cached_prompt_tokens": self.scheduler.cached_prompt_tokens,
             "blocks_total": pool.num_blocks,
             "blocks_in_use": pool.num_in_use,
@@ -498,6 +629,7 @@ class Engine:
             "preemptions_recompute": pre.recompute,
             "preemptions_swap": pre.swap,
             "swapped_bytes": pre.swapped_bytes,
+            "peak_blocks_in_use": self._peak_blocks,
             "peak_kv_bytes": self._peak_blocks * self.kv.bytes_per_block,
             "block_size": self.kv.block_size,
             **(self.model.vision.stats() if self.model.vision is not None else {}),

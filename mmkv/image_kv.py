@@ -1,7 +1,8 @@
 """Cross-attention K/V of images, kept in the shared block pool under the image's uid.
 
 An image's K/V for every cross-attention layer fill ``ceil(tokens / block_size)`` blocks, cached in
-the radix tree under a namespace of their own with keys ``(0, uid << 32 | offset)``. A sequence
+the radix tree under a namespace of their own with keys ``(0, uid << 32 | offset)`` and, for the
+cost-based eviction policy, the cost of encoding the image and projecting its K/V again. A sequence
 holds one reference per block while it runs; when no sequence does, the blocks are evictable by the
 same policy as text. K/V are computed only for blocks the tree does not hold, and inserted right
 after they are written, so requests admitted in the same step share them.
@@ -10,9 +11,9 @@ after they are written, so requests admitted in the same step share them.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from cache import BlockTable, ImageSpan, KVCache, make_keys
+from mmkv.attention.backend import AttentionBackend
 from mmkv.models import ModelAdapter
 from mmkv.sequence import SeqImage, Sequence
 
@@ -21,9 +22,11 @@ class CrossAttentionKV:
     """Guarantees: a sequence that ``acquire`` accepted holds, per image, blocks whose K/V are the
     image's (one copy shared by every holder) until ``release``."""
 
-    def __init__(self, kv: KVCache, model: ModelAdapter, shared: bool = True) -> None:
+    def __init__(self, kv: KVCache, model: ModelAdapter, backend: AttentionBackend,
+                 shared: bool = True) -> None:
         self.kv = kv
         self.model = model
+        self.backend = backend
         self.shared = shared  # False: every sequence computes its own copy (caching off)
         self.computed_blocks = 0  # blocks whose K/V this engine computed (misses)
 
@@ -40,22 +43,30 @@ class CrossAttentionKV:
         """Reference (computing where missing) the K/V of every image of ``seq``; False, holding
         nothing, when the pool cannot take them now."""
         tables: list[BlockTable] = []
-        for image in seq.images:
-            keys = self._keys(image)
-            table = self.kv.acquire_prefix(keys, self._namespace(seq))
-            missing = keys.shape[0] - table.num_tokens
-            if missing and self.kv.blocks_needed(table, missing) > self.kv.num_available():
-                for t in (*tables, table):
-                    self.kv.free(t)
-                return False
-            if missing:
-                start = table.num_tokens
-                self.kv.append_slots(table, missing)
-                self._write(image, table, start)
-                self.kv.cache_prefix(table, keys, self._namespace(seq))
-            tables.append(table)
+        try:
+            for image in seq.images:
+                keys = self._keys(image)
+                table = self.kv.acquire_prefix(keys, self._namespace(seq))
+                tables.append(table)
+                missing = keys.shape[0] - table.num_tokens
+                if missing and self.kv.blocks_needed(table, missing) > self.kv.num_available():
+                    self._free(tables)
+                    return False
+                if missing:
+                    start = table.num_tokens
+                    self.kv.append_slots(table, missing)
+                    self._write(image, table, start)
+                    cost = self.model.image_rebuild_flops(image.placement) / len(table.blocks)
+                    self.kv.cache_prefix(table, keys, self._namespace(seq), cost)
+        except BaseException:  # the encoder raised: hold nothing
+            self._free(tables)
+            raise
         seq.image_tables = tables
         return True
+
+    def _free(self, tables: list[BlockTable]) -> None:
+        for table in tables:
+            self.kv.free(table)
 
     def release(self, seq: Sequence) -> None:
         for table in seq.image_tables:
@@ -66,13 +77,8 @@ class CrossAttentionKV:
         n = image.placement.xattn_tokens
         if start >= n:
             return
-        bs = self.kv.block_size
-        pos = torch.arange(start, n)
-        pages = torch.tensor(table.blocks, dtype=torch.long)
-        blocks, offsets = pages[pos // bs].to(self.kv.storage.device), (pos % bs).to(self.kv.storage.device)
         layers = self.model.layer_views(self.kv.storage.stores[0])
         embeddings = self.model.vision.embeddings(image.image)
         for idx, (k, v) in zip(self.model.cross_layers, self.model.xattn_kv(embeddings)):
-            layers[idx][blocks, 0, offsets] = k[start:n].to(layers[idx].dtype)
-            layers[idx][blocks, 1, offsets] = v[start:n].to(layers[idx].dtype)
-        self.computed_blocks += len(table.blocks) - start // bs
+            self.backend.write_image_kv(layers[idx], table.blocks, start, k[start:n], v[start:n])
+        self.computed_blocks += len(table.blocks) - start // self.kv.block_size

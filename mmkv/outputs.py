@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token's log-probability under the model (log-softmax of its logits, before
+    temperature and filters) and the ``top`` most likely tokens there, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One sample of a request. ``finish_reason`` is ``"stop"``, ``"length"`` or None while running."""
+    """One sample of a request. ``finish_reason`` is ``"stop"``, ``"length"`` or None while running.
+    ``logprobs`` (one per token, when ``SamplingParams.logprobs`` asked for them) or None."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)

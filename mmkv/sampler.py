@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from mmkv.outputs import TokenLogprob
 from mmkv.sampling_params import SamplingParams
 
 
@@ -39,3 +40,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             probs = filtered_probs(logits[row], p).cpu()
             out.append(int(torch.multinomial(probs, 1, generator=g)))
     return out
+
+
+def token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s entry of ``logprobs`` (a log-softmax ``[vocab]``) and the ``top`` largest."""
+    values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0])
+    return TokenLogprob(token, float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))

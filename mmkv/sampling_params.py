@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # most alternatives a token's logprobs can list (OpenAI's top_logprobs limit)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -14,6 +16,8 @@ class SamplingParams:
     ``top_p=1`` switch those filters off. ``n`` samples share the prompt's blocks (copy-on-write).
     ``priority``: lower values are served first and preempted last (as in vLLM).
     ``seed`` makes sampling reproducible whatever else is in the batch.
+    ``logprobs``: None, or return each generated token's log-probability with that many of the
+    most likely alternatives (0 to ``MAX_LOGPROBS``); such a request decodes without speculation.
     """
 
     max_tokens: int = 16
@@ -26,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     priority: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +51,10 @@ class SamplingParams:
                 raise ValueError(f"stop must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entries", t, low=0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 

@@ -16,11 +16,13 @@ Preemption either swaps the victim's private blocks to the host tier or drops th
 later. ``preemption="auto"`` picks per victim the cheaper by this estimate::
 
     swap      = SWAP_LATENCY + 2 * bytes_to_move / host_bandwidth      (out now, in later)
-    recompute = tokens_to_recompute * 2 * num_parameters / device_flops
+    recompute = rebuild_flops(tokens_to_recompute) / device_flops
 
 where the blocks to move (and the tokens to recompute) are the victim's blocks that no other
 sequence references; shared blocks stay where they are either way. Without room in the host tier
-the victim is recomputed.
+the victim is recomputed. ``rebuild_flops(start, count)`` is the model's cost of recomputing
+``count`` tokens from position ``start``; it is also each cached block's cost for the cost-based
+eviction policy.
 
 Guarantees: a scheduled sequence has its slots reserved; the most important running sequence always
 progresses, so a request that fits in the pool alone always finishes.
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -77,17 +79,18 @@ class PreemptionStats:
 class Scheduler:
     """Decides each step's batch and keeps sequences' block tables in step with the cache."""
 
-    def __init__(self, kv: KVCache, config: SchedulerConfig, num_parameters: int,
-                 device_type: str) -> None:
+    def __init__(self, kv: KVCache, config: SchedulerConfig,
+                 rebuild_flops: Callable[[int, int], float], device_type: str) -> None:
         self.kv = kv
         self.config = config
-        self.num_parameters = num_parameters
+        self.rebuild_flops = rebuild_flops
         self.flops, self.bandwidth = DEVICE_SPEED.get(device_type, DEVICE_SPEED["cuda"])
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.preemptions = PreemptionStats()
         self.cached_prompt_tokens = 0
+        self.failures: list[tuple[Sequence, Exception]] = []  # raised while being admitted
         self.image_kv = None  # CrossAttentionKV for cross-attention models, set by the engine
 
     def add(self, seq: Sequence) -> None:
@@ -96,6 +99,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def take_failures(self) -> list[tuple[Sequence, Exception]]:
+        """Sequences whose admission raised (computing their images' K/V) since the last call;
+        they are out of every queue and hold nothing."""
+        failures, self.failures = self.failures, []
+        return failures
 
     # -- the step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -138,7 +147,12 @@ class Scheduler:
             seq = self.swapped[0]
             n = min(seq.num_pending, budget)
             need = len(seq.swapped.host_slots) + -(-n // self.kv.block_size) + 1
-            if need > self.kv.num_available() or not self._acquire_images(seq):
+            if need > self.kv.num_available():
+                break
+            acquired = self._acquire_images(seq)
+            if acquired is None:
+                continue
+            if not acquired:
                 break
             if need > self.kv.num_available():  # the images took the room
                 self._release_images(seq)
@@ -158,7 +172,10 @@ class Scheduler:
                 return
             if self._should_wait_for(seq, prefilling):
                 continue
-            if not self._acquire_images(seq):
+            acquired = self._acquire_images(seq)
+            if acquired is None:
+                continue
+            if not acquired:
                 return
             table = self._acquire(seq)
             cached = table.num_tokens
@@ -215,9 +232,12 @@ class Scheduler:
     def commit(self, seq: Sequence, n: int) -> None:
         """``n`` more tokens of ``seq`` have KV now; cache its newly completed full blocks."""
         seq.num_computed += n
-        full = seq.num_computed // self.kv.block_size
-        if self.config.enable_prefix_caching and full > seq.num_cached_blocks:
-            self.kv.cache_prefix(seq.table, seq.keys(full * self.kv.block_size), seq.namespace)
+        bs = self.kv.block_size
+        full = seq.num_computed // bs
+        new = full - seq.num_cached_blocks
+        if self.config.enable_prefix_caching and new > 0:
+            cost = self.rebuild_flops(seq.num_cached_blocks * bs, new * bs) / new
+            self.kv.cache_prefix(seq.table, seq.keys(full * bs), seq.namespace, cost)
             seq.num_cached_blocks = full
 
     def finish(self, seq: Sequence) -> None:
@@ -227,8 +247,15 @@ class Scheduler:
         self._release(seq)
         seq.status = Status.FINISHED
 
-    def _acquire_images(self, seq: Sequence) -> bool:
-        return self.image_kv is None or not seq.images or self.image_kv.acquire(seq)
+    def _acquire_images(self, seq: Sequence) -> bool | None:
+        """Whether the images' K/V are held now; None when computing them raised (the sequence
+        then left its queue for ``failures``)."""
+        try:
+            return self.image_kv is None or not seq.images or self.image_kv.acquire(seq)
+        except Exception as err:
+            self._release(seq)
+            self.failures.append((seq, err))
+            return None
 
     def _release_images(self, seq: Sequence) -> None:
         if self.image_kv is not None:
@@ -270,6 +297,7 @@ class Scheduler:
             return "recompute"
         if mode != "auto":
             return mode
+        bs = self.kv.block_size
         swap = SWAP_LATENCY + 2 * moved * self.kv.bytes_per_block / self.bandwidth
-        recompute = moved * self.kv.block_size * 2 * self.num_parameters / self.flops
+        recompute = self.rebuild_flops((len(seq.table.blocks) - moved) * bs, moved * bs) / self.flops
         return "swap" if swap < recompute else "recompute"

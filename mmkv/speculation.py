@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from cache import KVStorage
 from mmkv.attention.metadata import next_position
 from mmkv.models import ModelAdapter, StepContext
 from mmkv.sampler import filtered_probs
@@ -182,24 +183,28 @@ class EarlyExitSpeculator(Speculator):
 class DraftModelSpeculator(Speculator):
     """A separate small model drafts from its own store of the same blocks."""
 
-    def __init__(self, model: ModelAdapter, draft: ModelAdapter, draft_layers: list[torch.Tensor],
+    def __init__(self, model: ModelAdapter, draft: ModelAdapter, storage: KVStorage,
                  config: SpeculativeConfig, context: ContextFn) -> None:
         super().__init__(model, config, context)
         if draft.vocab_size != model.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.vocab_size}) differs from the "
                              f"target's ({model.vocab_size}); they must share a tokenizer")
         self.draft = draft
-        self.draft_layers = draft.layer_views(draft_layers)
+        self.storage = storage  # its second store is the draft's (read afresh: a resize replaces it)
+
+    @property
+    def draft_layers(self) -> list[torch.Tensor]:
+        return self.draft.layer_views(self.storage.stores[1])
 
     def follow(self, input_ids: torch.Tensor, step: StepContext) -> None:
-        self.draft.forward(input_ids, StepContext(step.batch, self.draft_layers),
+        self.draft.forward(input_ids, StepContext(step.batch, self.draft_layers, step.backend),
                            torch.zeros(0, dtype=torch.long, device=input_ids.device))
 
     def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
         step = self._draft_context(seqs, kv_lens, live, images=False)  # the draft reads text only
         ids = torch.tensor(tokens, dtype=torch.long, device=step.batch.positions.device)
         rows = torch.tensor(drafting, dtype=torch.long, device=ids.device)
-        return self.draft.forward(ids, StepContext(step.batch, self.draft_layers), rows)
+        return self.draft.forward(ids, StepContext(step.batch, self.draft_layers, step.backend), rows)
 
     def _verify_logits(self, seqs, gammas, drafts, lens):
         step = self.context(seqs, [g + 1 for g in gammas], [n + g for n, g in zip(lens, gammas)])

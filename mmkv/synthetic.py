@@ -31,6 +31,31 @@ POSITIONS = ("top left", "top", "top right", "left", "centre", "right",
 NUMBERS = ("zero", "one", "two", "three", "four")
 SCENE_TEMPLATE = "<image>question: {question}\nanswer:"
 DOCUMENT_TEMPLATE = "{document}\ninstruction: {question}\nanswer:"
+# The bundled model's chat template renders exactly the prompts above: a user turn holding an image
+# and a question is SCENE_TEMPLATE; a system turn (a document) and a user turn are DOCUMENT_TEMPLATE.
+# An assistant turn is its answer and <eos>, as in training (where a report is followed by several
+# instructions); a later user turn asks again. An image part renders as <image>, before the text.
+CHAT_TEMPLATE = (
+    "{%- set state = namespace(document=false, asked=false) -%}"
+    "{%- for message in messages -%}"
+    "{%- set turn = namespace(images='', text='') -%}"
+    "{%- if message['content'] is string -%}{%- set turn.text = message['content'] -%}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{%- set turn.images = turn.images + '<image>' -%}"
+    "{%- elif part['type'] == 'text' -%}{%- set turn.text = turn.text + part['text'] -%}"
+    "{%- else -%}{{- raise_exception('content parts are text or image, got ' + part['type']) -}}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- if message['role'] in ['system', 'developer'] -%}"
+    "{{- turn.images + turn.text -}}{%- set state.document = true -%}"
+    "{%- elif message['role'] == 'user' -%}"
+    "{%- if state.document -%}{{- turn.images + '\ninstruction: ' + turn.text -}}"
+    "{%- else -%}{{- ('\n' if state.asked else '') + turn.images + 'question: ' + turn.text -}}"
+    "{%- endif -%}{{- '\nanswer:' -}}{%- set state.asked = true -%}"
+    "{%- elif message['role'] == 'assistant' -%}{{- ' ' + turn.text | trim + eos_token -}}"
+    "{%- else -%}{{- raise_exception('roles are system, developer, user or assistant, got '"
+    " + message['role']) -}}"
+    "{%- endif -%}{%- endfor -%}"
+)
 
 
 @dataclass(frozen=True, slots=True)

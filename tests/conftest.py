@@ -41,23 +41,44 @@ def model_dirs(tmp_path_factory) -> dict[str, "Path"]:
     return dirs
 
 
-@pytest.fixture(scope="session")
-def hf_oracle(model_dirs):
-    """Greedy continuation by transformers' generate (fp32), memoised."""
-    from tiny_models import hf_greedy, load_hf
+class Oracle:
+    """transformers' greedy ``generate`` (fp32, CPU) on the tiny models, memoised; ``check``
+    compares an engine's greedy output with transformers as ``devices.py`` says for the device
+    under test."""
 
-    models: dict[str, object] = {}
-    memo: dict[tuple, list[int]] = {}
+    def __init__(self, model_dirs) -> None:
+        self.model_dirs = model_dirs
+        self.models: dict[tuple[str, str], object] = {}
+        self.memo: dict[tuple, list[int]] = {}
 
-    def oracle(family: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    def model(self, family: str, device: str = "cpu"):
+        from tiny_models import load_hf
+
+        if (family, device) not in self.models:
+            self.models[family, device] = load_hf(self.model_dirs[family]).to(device)
+        return self.models[family, device]
+
+    def __call__(self, family: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+        from tiny_models import hf_greedy
+
         key = (family, tuple(prompt), max_new_tokens)
-        if key not in memo:
-            if family not in models:
-                models[family] = load_hf(model_dirs[family])
-            memo[key] = hf_greedy(models[family], prompt, max_new_tokens)
-        return memo[key]
+        if key not in self.memo:
+            self.memo[key] = hf_greedy(self.model(family), prompt, max_new_tokens)
+        return self.memo[key]
 
-    return oracle
+    def check(self, family: str, prompt: list[int], tokens: list[int]) -> None:
+        from devices import DEVICE, assert_near_greedy
+
+        if DEVICE == "cpu":
+            assert tokens == self(family, prompt, len(tokens)), f"prompt of {len(prompt)}"
+        else:
+            assert_near_greedy(self.model(family, DEVICE), prompt, tokens)
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(model_dirs) -> Oracle:
+    """Greedy continuation by transformers' generate (fp32), memoised."""
+    return Oracle(model_dirs)
 
 
 @pytest.fixture(scope="session")

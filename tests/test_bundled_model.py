@@ -1,9 +1,11 @@
 """The committed model answers held-out questions; the training script runs end to end."""
 
-import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from mmkv import Engine, SamplingParams
 from mmkv.engine import BUNDLED_MODEL
@@ -31,7 +33,8 @@ def test_bundled_model_reaches_its_accuracy_identically_with_caching_and_specula
 
 def test_training_script_smoke(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "examples" / "train_tiny.py"), "--out",
-                    str(tmp_path), "--smoke"], check=True, capture_output=True, timeout=300)
+                    str(tmp_path), "--smoke"], check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's mmkv
     assert (tmp_path / "loss.png").stat().st_size > 0
     engine = Engine(tmp_path / "tiny-vlm", kv_cache_memory="32MiB", host_kv_memory="4MiB")
     out = engine.ask(tmp_path / "loss.png", ["what is it?"],
@@ -53,17 +56,26 @@ def test_cross_attention_inspector_runs_on_the_bundled_model():
         assert len(weights) == 9 and abs(sum(weights) - 1) <= 9 * 0.005  # printed to 2 decimals
 
 
-def test_spec_benchmark_reports_its_figures_and_equal_outputs(tmp_path):
-    """`python -m mmkv.bench spec --json` end to end on one request per workload."""
-    out = subprocess.run([sys.executable, "-m", "mmkv.bench", "spec", "--json", "--requests", "1",
-                          "--sweep", "1,2", "--chart", str(tmp_path / "sweep.png"),
-                          "--adaptive-threshold", "0.4", "--repeats", "1"],
-                         check=True, capture_output=True, text=True, timeout=300, cwd=ROOT).stdout
-    result = json.loads(out.splitlines()[-1])
-    for key in ("speedup_early_exit_b1", "speedup_early_exit_b8", "speedup_draft_b1",
-                "speedup_vs_hf_assisted_b1", "acceptance_rate_early_exit"):
-        assert result[key] > 0, key
-    assert result["outputs_equal"] is True
-    assert result["draft_extra_blocks_early_exit"] == 0
-    assert set(result["sweep_early_exit_b1"]) == {"1", "2"}
-    assert (tmp_path / "sweep.png").stat().st_size > 0
+def test_bundled_chat_template_renders_the_training_prompts():
+    """A user turn with an image and a question is the scene prompt; a system turn (a report) and
+    a user turn are the document prompt; a follow-up after an answer is the packed training form."""
+    import random
+
+    from mmkv.synthetic import document_prompt, random_report, scene_prompt
+
+    engine = Engine(kv_cache_memory="16MiB", host_kv_memory="1MiB")
+    encode = engine.tokenizer.encode
+    question = "what colour is the circle?"
+    assert engine.render_chat([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": question}]}]) == encode(scene_prompt(question))
+    report = random_report(random.Random(3))
+    asked = [{"role": "system", "content": report.text},
+             {"role": "user", "content": "summarise the report."}]
+    assert engine.render_chat(asked) == encode(document_prompt(report, "summarise the report."))
+    follow_up = asked + [{"role": "assistant", "content": " mayor anna berg"},
+                         {"role": "user", "content": [{"type": "text", "text": "who is the mayor?"}]}]
+    assert engine.render_chat(follow_up) == encode(
+        document_prompt(report, "summarise the report.") + " mayor anna berg<eos>"
+        "\ninstruction: who is the mayor?\nanswer:")
+    with pytest.raises(ValueError, match="roles are system, developer, user or assistant, got tool"):
+        engine.render_chat([{"role": "tool", "content": "x"}])

@@ -4,9 +4,15 @@ import json
 import random
 
 import pytest
+import torch
 
 from mmkv import Engine, ModelLoadError, SamplingParams
-from test_engine_oracle import GREEDY, engine, prompts
+from test_engine_oracle import GREEDY, engine as device_engine, prompts
+
+
+def engine(model_dirs, **kw) -> Engine:
+    """These tests compare outputs exactly: on the CPU in float32 whatever MMKV_TEST_DEVICE says."""
+    return device_engine(model_dirs, device="cpu", **kw)
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(model_dirs):
@@ -141,7 +147,8 @@ def test_model_directory_errors(tmp_path, model_dirs):
 
 
 def test_soak_under_memory_pressure(model_dirs):
-    """300 random requests through a pool that forces evictions and preemptions."""
+    """300 random requests (a third sampled, seeded) through a pool that forces evictions and
+    preemptions give what a roomy pool gives."""
     rng = random.Random(17)
     docs = prompts(18, [13, 22, 9])
     batch, params = [], []
@@ -158,9 +165,103 @@ def test_soak_under_memory_pressure(model_dirs):
     got = tight.generate(batch, params)
     stats = tight.stats()
     assert stats["evictions"] > 0 and stats["preemptions_swap"] + stats["preemptions_recompute"] > 0
-    for p, w, g in zip(params, want, got):
+    for p, w, g in zip(params, want, got):  # seeded samples too: preemption changes nothing
         assert g.finish_reason == "length" and len(g.token_ids) == p.max_tokens
-        if p.greedy:
-            assert g.token_ids == w.token_ids
+        assert g.token_ids == w.token_ids
     assert stats["blocks_in_use"] == 0
     tight.kv.check_integrity()
+
+
+def test_cache_salt_keeps_tenants_apart(model_dirs, hf_oracle):
+    """Requests share cached K/V only under the same salt, also when submitted together."""
+    eng = engine(model_dirs)
+    [doc] = prompts(19, [30])
+    questions = prompts(20, [5, 6, 7, 8])
+    a = eng.generate([doc + questions[0]], GREEDY, cache_salt="tenant-a")[0]
+    b = eng.generate([doc + questions[1]], GREEDY, cache_salt="tenant-b")[0]
+    unsalted = eng.generate([doc + questions[2]], GREEDY)[0]
+    again = eng.generate([doc + questions[3]], GREEDY, cache_salt="tenant-a")[0]
+    assert [o.cached_tokens for o in (a, b, unsalted, again)] == [0, 0, 0, 30]
+    for q, out in zip(questions, (a, b, unsalted, again)):
+        assert out.token_ids == hf_oracle("llama", doc + q, 16)
+    fresh = engine(model_dirs)
+    fresh.add_request(doc + questions[0], GREEDY, cache_salt="x")
+    fresh.add_request(doc + questions[1], GREEDY, cache_salt="y")
+    while fresh.has_unfinished():
+        fresh.step()
+    assert fresh.stats()["computed_prefill_tokens"] == 2 * 30 + 5 + 6  # nothing shared
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "draft_model"])
+def test_resize_kv_cache_while_requests_run(model_dirs, hf_oracle, speculative):
+    """The pool shrinks to just above what is in use mid-run (evicting the older cached prefixes
+    at its low end and moving live blocks down), then grows: outputs stay the oracle's, and the
+    shared document's cached blocks survive both moves."""
+    from test_speculative_engine import draft_engine
+
+    [doc] = prompts(21, [30])
+    questions = prompts(22, [4, 5, 6, 7, 8, 9])
+    eng = draft_engine(model_dirs["llama"], model_dirs["llama"], blocks=96) if speculative \
+        else engine(model_dirs, blocks=96)
+    per_block = eng.kv.bytes_per_block
+    eng.generate(prompts(23, [20, 20]), GREEDY)  # cached, unused blocks at the low end
+    ids = {eng.add_request(doc + q, GREEDY): doc + q for q in questions}
+    done, steps = {}, 0
+    while eng.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        steps += 1
+        if steps == 3:
+            in_use = eng.stats()["blocks_in_use"]
+            with pytest.raises(ValueError, match=f"{in_use} are in use"):
+                eng.resize_kv_cache((in_use - 1) * per_block)
+            with pytest.raises(ValueError, match="needs 13"):
+                eng.resize_kv_cache(12 * per_block)
+            evictions = eng.stats()["evictions"]
+            assert eng.resize_kv_cache((in_use + 2) * per_block) == in_use + 2
+            assert eng.stats()["evictions"] > evictions and eng.kv.metrics.compactions == 1
+        if steps == 9:
+            assert eng.resize_kv_cache(200 * per_block) == 200
+    assert done == {i: hf_oracle("llama", p, 16) for i, p in ids.items()}
+    stats = eng.stats()
+    assert stats["blocks_total"] == 200 and stats["blocks_in_use"] == 0
+    assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0  # the small pool bit
+    later = eng.generate([doc + [7, 7]], GREEDY)[0]
+    assert later.cached_tokens == 30 and later.token_ids == hf_oracle("llama", doc + [7, 7], 16)
+    if speculative:
+        assert stats["spec_acceptance_rate"] == 1.0  # the draft's store moved with the target's
+
+
+def test_logprobs_equal_transformers_log_softmax(model_dirs):
+    """Each generated token's logprob and its top alternatives are transformers' log-softmax of
+    the logits at that position (greedy and sampled, n > 1, through chunked prefill)."""
+    from test_engine_oracle import load_hf
+
+    eng = engine(model_dirs, max_num_batched_tokens=7)
+    [prompt] = prompts(19, [13])
+    greedy, sampled = eng.generate([prompt, prompt], [
+        SamplingParams(max_tokens=6, ignore_eos=True, logprobs=5),
+        SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0, n=2, temperature=1.0, seed=5)])
+    model = load_hf(model_dirs["llama"])
+    for out in [*greedy.outputs, *sampled.outputs]:
+        with torch.no_grad():
+            full = model(torch.tensor([prompt + out.token_ids])).logits[0].log_softmax(-1)
+        want = full[len(prompt) - 1: len(prompt) - 1 + len(out.token_ids)]
+        assert [lp.token_id for lp in out.logprobs] == out.token_ids
+        got = torch.tensor([lp.logprob for lp in out.logprobs])
+        torch.testing.assert_close(got, want[torch.arange(len(got)), out.token_ids], atol=1e-4, rtol=0)
+        if out is greedy.outputs[0]:
+            for lp, row in zip(out.logprobs, want):
+                top = torch.topk(row, 5)
+                assert [t for t, _ in lp.top] == top.indices.tolist()
+                torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), top.values,
+                                           atol=1e-4, rtol=0)
+    assert all(lp.top == [] for lp in sampled.outputs[0].logprobs)
+    assert eng.generate([prompt], GREEDY)[0].outputs[0].logprobs is None
+
+
+@pytest.mark.parametrize("value, message", [(-1, "logprobs must be >= 0"),
+                                            (21, "logprobs must be <= 20"),
+                                            (True, "logprobs must be an integer")])
+def test_bad_logprobs(value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logprobs=value)

@@ -147,3 +147,40 @@ def test_compaction_moves_live_blocks_down_and_keeps_data():
     assert hit.num_tokens == 8 and max(hit.blocks) < 4
     assert torch.equal(read(cache, hit), tables[4][1])
     cache.free(hit)
+
+
+def test_resize_keeps_live_data_and_the_cached_prefixes_that_fit():
+    cache = KVCache(LAYOUT, num_blocks=12, num_host_blocks=4)
+    tables = [filled_table(cache, 8, seed=i) for i in range(5)]  # blocks 0..9
+    prefixes = {i: list(range(100 * i, 100 * i + 8)) for i in (1, 3)}
+    for i, tokens in prefixes.items():
+        cache.cache_prefix(tables[i][0], make_keys(tokens))
+    for i in (0, 1, 2, 3):
+        cache.free(tables[i][0])  # 1 and 3 stay cached (evictable); 4 stays in use
+    cache.tree.match_prefix(make_keys(prefixes[3]))  # 3 is the more recently used
+    mapping = cache.resize(5)  # room for the live table, one cached prefix and one more block
+    assert cache.pool.num_blocks == 5 and cache.storage.layers[0].shape[0] == 5
+    live, data = tables[4]
+    live.remap(mapping)
+    assert max(live.blocks) < 5 and torch.equal(read(cache, live), data)
+    assert cache.metrics.evictions == 1 and cache.tree.num_cached_blocks == 3  # 1 lost its tail
+    live.remap(cache.resize(4))
+    assert cache.metrics.evictions == 2 and torch.equal(read(cache, live), data)
+    assert cache.tree.match_prefix(make_keys(prefixes[1])).num_tokens == 0  # LRU: 1 went
+    hit = cache.acquire_prefix(make_keys(prefixes[3] + [0]))
+    assert hit.num_tokens == 8 and torch.equal(read(cache, hit), tables[3][1])
+    cache.free(hit)
+    cache.check_integrity()
+    cache.resize(16)  # and back up: new blocks are free, old data stays
+    assert cache.pool.num_free == 16 - 4 and torch.equal(read(cache, live), data)
+    assert len(cache.append_slots(live, 40)) == 40  # the grown tail is usable
+    cache.check_integrity()
+
+
+def test_resize_below_the_blocks_in_use_changes_nothing():
+    cache = KVCache(LAYOUT, num_blocks=8)
+    table, data = filled_table(cache, 12, seed=1)  # 3 blocks
+    with pytest.raises(ValueError, match="3 are in use"):
+        cache.resize(2)
+    assert cache.pool.num_blocks == 8 and torch.equal(read(cache, table), data)
+    cache.check_integrity()

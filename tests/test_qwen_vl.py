@@ -1,11 +1,13 @@
 """Qwen2-VL, Qwen2.5-VL and Qwen3-VL (M-RoPE) against transformers' generate: batches, chunked
 prefill through images, image-keyed prefix sharing, preemption, speculation, grid collisions."""
 
+import httpx
 import pytest
 import torch
 from PIL import Image
 
 from mmkv import Engine, SamplingParams
+from server_harness import MODEL_NAME, png_data_url, start_server
 from speculative import SpeculativeConfig
 from tiny_qwen_vl import FAMILIES, IMAGE_PAD, build_qwen_vl, hf_greedy, load_oracle, picture
 
@@ -186,3 +188,25 @@ def test_bad_image_prompts_fail_alone(qwen_dirs):
                          {"prompt": "<image><image>", "images": [WIDE, TALL]}], P, errors="return")
     assert outs[0].error is None and len(outs[0].token_ids) == P.max_tokens
     assert outs[1].error is None  # "<image>" brings its own start and end tokens: not adjacent
+
+
+def test_server_chat_with_an_image_uses_the_models_chat_template(qwen_dirs, oracle):
+    """`mmkv serve`'s chat API on a Qwen-VL model: the image part becomes the model's own image
+    markup through its chat template, and the answer is transformers'."""
+    running = start_server(qwen_engine(qwen_dirs, "qwen2_5_vl"))
+    question = [{"type": "text", "text": "what is it?"}]
+    try:
+        response = httpx.post(f"{running.url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL_NAME, "max_tokens": P.max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": png_data_url(WIDE)}}, *question]}]})
+    finally:
+        running.stop()
+    processor = load_oracle("qwen2_5_vl", qwen_dirs["qwen2_5_vl"])[1]
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, *question]}],
+                                         add_generation_prompt=True, tokenize=False)
+    prompt, answer = oracle("qwen2_5_vl", text, [WIDE])
+    body = response.json()
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    assert body["choices"][0]["message"]["content"] == processor.tokenizer.decode(
+        answer, skip_special_tokens=True)

@@ -1,16 +1,27 @@
 """The radix tree against a naive reference: a dict of cached block-aligned prefixes.
 
 The reference knows nothing of nodes, splits or hashes. It stores every cached prefix (a tuple of
-block keys) with the logical time it was last used, and evicts, one block at a time, the least
-recently used unlocked prefix that no other cached prefix extends. The tree must agree on every
-match, every insert, every eviction and every count.
+block keys) with what each policy orders by, and evicts one block at a time: the unlocked prefix
+that no other cached prefix extends and that the policy ranks lowest. The tree must agree on every
+match, every insert, every eviction and every count. The pool (16 blocks) is small, so inserts run it full
+and must evict first (as ``KVCache.allocate`` does), under every policy:
+
+* ``lru``: the logical time a prefix was last matched or inserted;
+* ``fifo``: the time it was first inserted;
+* ``cost``: GreedyDual-Size-Frequency, ``credit = inflation + (1 + hits) * cost`` set whenever a
+  prefix is matched or inserted; ``hits`` counts the matches that reused it, ``cost`` is the
+  rebuild cost it was inserted with, and each eviction raises ``inflation`` to the evicted credit.
+  Costs are pseudo-random per insert, so no two credits tie (the tree breaks ties by node age,
+  which the reference does not model).
 """
 
 from __future__ import annotations
 
+import random
 from collections import Counter
+from dataclasses import dataclass
 
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -18,20 +29,36 @@ from cache import BlockPool, RadixTree, make_keys
 from cache.keys import block_keys, common_rows
 
 BS = 2
-NUM_BLOCKS = 400
-sequences = st.lists(st.integers(0, 2), min_size=0, max_size=12)
+NUM_BLOCKS = 16
+sequences = st.lists(st.integers(0, 4), min_size=0, max_size=14)
 namespaces = st.sampled_from([b"", b"tenant"])
 
 
+@dataclass(slots=True)
+class Entry:
+    created: int
+    last_use: int
+    cost: float
+    hits: int = 0
+    credit: float = 0.0
+
+
 class Reference:
-    def __init__(self) -> None:
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
         self.clock = 0
-        self.cached: dict[tuple, int] = {}  # (namespace, block keys...) -> last use
+        self.inflation = 0.0
+        self.cached: dict[tuple, Entry] = {}  # (namespace, block keys...) -> its entry
         self.locked: Counter[tuple] = Counter()
 
     def prefixes(self, ns: bytes, tokens: list[int]) -> list[tuple]:
         keys = block_keys(make_keys(tokens), BS)
         return [(ns, *keys[: i + 1]) for i in range(len(keys))]
+
+    def _touch(self, entry: Entry, hit: bool) -> None:
+        entry.last_use = self.clock
+        entry.hits += hit
+        entry.credit = self.inflation + (1 + entry.hits) * entry.cost
 
     def match(self, ns: bytes, tokens: list[int]) -> tuple[list[tuple], int]:
         self.clock += 1
@@ -41,7 +68,7 @@ class Reference:
                 break
             hit.append(p)
         for p in hit:
-            self.cached[p] = self.clock
+            self._touch(self.cached[p], hit=True)
         start = len(hit) * BS
         tail = make_keys(tokens)[start:start + BS].tobytes()
         parent = hit[-1] if hit else (ns,)
@@ -49,39 +76,59 @@ class Reference:
                        if len(p) == len(parent) + 1 and p[:-1] == parent), default=0) if tail else 0
         return hit, partial
 
-    def insert(self, ns: bytes, tokens: list[int]) -> int:
+    def insert(self, ns: bytes, tokens: list[int], cost: float) -> int:
         self.clock += 1
         existing = 0
         for p in self.prefixes(ns, tokens):
-            existing += p in self.cached
-            self.cached[p] = self.clock
+            if p in self.cached:
+                existing += 1
+            else:
+                self.cached[p] = Entry(created=self.clock, last_use=self.clock, cost=cost)
+            self._touch(self.cached[p], hit=False)
         return existing
+
+    def _rank(self, p: tuple) -> float:
+        e = self.cached[p]
+        return {"lru": e.last_use, "fifo": e.created, "cost": e.credit}[self.policy]
+
+    def evictable(self) -> list[tuple]:
+        extended = {p[:-1] for p in self.cached}
+        return [p for p in self.cached if p not in extended and not self.locked[p]]
 
     def evict(self, n: int) -> int:
         done = 0
-        while done < n:
-            extended = {p[:-1] for p in self.cached}
-            leaves = [p for p in self.cached if p not in extended and not self.locked[p]]
-            if not leaves:
-                break
-            del self.cached[min(leaves, key=self.cached.__getitem__)]
+        while done < n and (leaves := self.evictable()):
+            victim = min(leaves, key=self._rank)
+            self.inflation = max(self.inflation, self.cached.pop(victim).credit)
             done += 1
         return done
 
 
 class TreeMachine(RuleBasedStateMachine):
-    @initialize(policy=st.just("lru"))
-    def build(self, policy):
+    policy = "lru"
+
+    @initialize()
+    def build(self):
         self.pool = BlockPool(NUM_BLOCKS)
-        self.tree = RadixTree(self.pool, BS, policy=policy)
-        self.ref = Reference()
+        self.tree = RadixTree(self.pool, BS, policy=self.policy)
+        self.ref = Reference(self.policy)
         self.locks: list[tuple[list[int], list[tuple]]] = []
+        self.inserted: list[tuple[bytes, list[int]]] = []
 
     @rule(ns=namespaces, tokens=sequences)
     def insert(self, ns, tokens):
+        """Allocate the blocks first, evicting what the pool lacks; insert what fits."""
+        needed = len(tokens) // BS
+        short = needed - self.pool.num_free
+        if short > 0:
+            event(f"insert evicted first under {self.ref.policy}")
+            assert self.tree.evict(short) == self.ref.evict(short)
+        tokens = tokens[: min(needed, self.pool.num_free) * BS]
+        self.inserted.append((ns, tokens))
+        cost = 1.0 + random.Random(len(self.inserted)).random() * 7  # no two sums of costs coincide
         blocks = self.pool.allocate(len(tokens) // BS)
-        result = self.tree.insert(make_keys(tokens), blocks, ns)
-        assert result.num_existing == self.ref.insert(ns, tokens)
+        result = self.tree.insert(make_keys(tokens), blocks, ns, cost_per_block=cost)
+        assert result.num_existing == self.ref.insert(ns, tokens, cost)
         self.tree.unlock(result.blocks)
 
     @rule(ns=namespaces, tokens=sequences, hold=st.booleans())
@@ -94,6 +141,13 @@ class TreeMachine(RuleBasedStateMachine):
             self.tree.lock(m.blocks)
             self.ref.locked.update(hit)
             self.locks.append((m.blocks, hit))
+
+    @precondition(lambda self: self.inserted)
+    @rule(data=st.data())
+    def match_again(self, data):
+        """Ask again for something inserted before: hits are what the cost policy counts."""
+        ns, tokens = data.draw(st.sampled_from(self.inserted))
+        self.match(ns, tokens, hold=False)
 
     @precondition(lambda self: self.locks)
     @rule(data=st.data())
@@ -128,5 +182,12 @@ class TreeMachine(RuleBasedStateMachine):
         self.pool.check_integrity()
 
 
-TreeMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
-test_tree_matches_reference = TreeMachine.TestCase
+def machine_for(policy: str):
+    machine = type(f"{policy.upper()}TreeMachine", (TreeMachine,), {"policy": policy})
+    machine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+    return machine.TestCase
+
+
+test_lru_tree_matches_reference = machine_for("lru")
+test_fifo_tree_matches_reference = machine_for("fifo")
+test_cost_tree_matches_reference = machine_for("cost")

@@ -115,16 +115,41 @@ def test_lru_and_fifo_order(policy, survivor):
     assert tree.match_prefix(make_keys(seqs[other])).num_tokens == 0
 
 
-def test_cost_policy_keeps_expensive_recently_hit_prefix_over_cheap_stale_one():
+def cached(tree: RadixTree, tokens) -> bool:
+    return tree.match_prefix(make_keys(tokens)).num_tokens == len(tokens)
+
+
+def test_cost_policy_evicts_the_cheaper_of_two_unused_prefixes_first():
+    """Cost: the expensive prefix is older (LRU and FIFO would evict it) but costlier to rebuild."""
     tree = RadixTree(BlockPool(32), BS, policy="cost")
-    expensive, cheap, filler = [1] * 8, [2] * 8, [3] * 8
-    cache_sequence(tree, expensive, cost=100.0)
-    cache_sequence(tree, cheap, cost=1.0)
-    tree.match_prefix(make_keys(expensive))  # hit: frequency counts too
-    cache_sequence(tree, filler, cost=1.0)  # newer than both
+    cache_sequence(tree, [1] * 8, cost=100.0)
+    cache_sequence(tree, [2] * 8, cost=1.0)
     assert tree.evict(2) == 2
-    assert tree.match_prefix(make_keys(expensive)).num_tokens == 8
-    assert tree.match_prefix(make_keys(cheap)).num_tokens == 0
+    assert cached(tree, [1] * 8) and not cached(tree, [2] * 8)
+
+
+def test_cost_policy_keeps_the_more_often_hit_of_two_equal_prefixes():
+    """Frequency: the prefix hit three times outlives one hit more recently but once."""
+    tree = RadixTree(BlockPool(32), BS, policy="cost")
+    cache_sequence(tree, [1] * 8, cost=1.0)
+    cache_sequence(tree, [2] * 8, cost=1.0)
+    for _ in range(3):
+        tree.match_prefix(make_keys([1] * 8))
+    tree.match_prefix(make_keys([2] * 8))
+    assert tree.evict(2) == 2
+    assert cached(tree, [1] * 8) and not cached(tree, [2] * 8)
+
+
+def test_cost_policy_ages_an_unused_expensive_prefix_below_new_cheap_ones():
+    """Inflation: each eviction raises the floor new credits start from, so an expensive prefix
+    nobody uses is eventually evicted before a cheap one inserted after evictions happened."""
+    tree = RadixTree(BlockPool(32), BS, policy="cost")
+    cache_sequence(tree, [1] * 8, cost=5.0)  # credit 5
+    cache_sequence(tree, [2] * 8, cost=4.5)  # credit 4.5: evicted first, inflation becomes 4.5
+    assert tree.evict(2) == 2 and not cached(tree, [2] * 8)
+    cache_sequence(tree, [3] * 8, cost=1.0)  # credit 4.5 + 1
+    assert tree.evict(2) == 2
+    assert cached(tree, [3] * 8) and not cached(tree, [1] * 8)
 
 
 def test_unknown_policy_is_rejected():

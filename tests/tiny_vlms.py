@@ -81,16 +81,21 @@ def build_llava(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def build_mmkv_vlm(directory: Path, seed: int = 0) -> Path:
+def build_mmkv_vlm(directory: Path, seed: int = 0, vision_width: int = 32, vision_layers: int = 2,
+                   **text) -> Path:
+    """``text`` overrides entries of the text model's config (and may add ``early_exit_layer``)."""
+    early_exit = text.pop("early_exit_layer", None)
     config = {
-        "vision": {"open_clip_vision_cfg": {"image_size": 32, "layers": 2, "width": 32,
-                                            "patch_size": 8, "head_width": 16},
+        "vision": {"open_clip_vision_cfg": {"image_size": 32, "layers": vision_layers,
+                                            "width": vision_width, "patch_size": 8, "head_width": 16},
                    "embed_dim": 32, "image_size": 32,
                    "patch_name_ids": [[10 + p, 30 + p // 4] for p in range(16)], "patch_name_scale": 2.0},
-        "text_config": dict(TEXT, num_hidden_layers=4, cross_attention_layers=[1, 3], vocab_size=256,
-                            pad_token_id=3, bos_token_id=1, eos_token_id=2),
+        "text_config": {**TEXT, "num_hidden_layers": 4, "cross_attention_layers": [1, 3],
+                        "vocab_size": 256, "pad_token_id": 3, "bos_token_id": 1, "eos_token_id": 2,
+                        **text},
         "image_token_id": IMAGE_TOKEN,
         "question_template": "<image>Q:{question}\nA:",
+        **({"early_exit_layer": early_exit} if early_exit is not None else {}),
     }
     torch.manual_seed(seed)
     model = MmkvVLM(config)
@@ -136,14 +141,20 @@ def mmkv_vlm_plain_greedy(model: MmkvVLM, pixels: torch.Tensor, prompt: list[int
     cross-attention mask (one tile, seen from the image placeholder on)."""
     states = model.image_features(pixels)
     ids = list(prompt)
-    start = ids.index(IMAGE_TOKEN)
     for _ in range(new):
-        dense = torch.zeros(1, len(ids), 1, 1)
-        dense[0, start:] = 1
-        mask, rows = _prepare_cross_attention_mask(dense, num_vision_tokens=states.shape[1],
-                                                   dtype=states.dtype)
-        logits = model.language_model(input_ids=torch.tensor([ids]), cross_attention_states=states,
-                                      cross_attention_mask=mask, full_text_row_masked_out_mask=rows,
-                                      use_cache=False).logits
-        ids.append(int(logits[0, -1].argmax()))
+        ids.append(int(mmkv_vlm_logits(model, states, ids)[-1].argmax()))
     return ids[len(prompt):]
+
+
+@torch.inference_mode()
+def mmkv_vlm_logits(model: MmkvVLM, states: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """Logits ``[len(ids), vocab]`` of the whole sequence, the image (projected patch tokens
+    ``states``, ``[1, patches, hidden]``) seen from its placeholder on."""
+    dense = torch.zeros(1, len(ids), 1, 1)
+    dense[0, ids.index(IMAGE_TOKEN):] = 1
+    mask, rows = _prepare_cross_attention_mask(dense, num_vision_tokens=states.shape[1],
+                                               dtype=states.dtype)
+    device = states.device
+    return model.language_model(input_ids=torch.tensor([ids], device=device),
+                                cross_attention_states=states, cross_attention_mask=mask.to(device),
+                                full_text_row_masked_out_mask=rows.to(device), use_cache=False).logits[0]

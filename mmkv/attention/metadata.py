@@ -3,8 +3,9 @@
 For a batch of sequences, sequence ``i`` contributes ``q_lens[i]`` new tokens (packed one after the
 other) and, after they are written, has ``kv_lens[i]`` tokens of KV in the pages ``pages[i]``.
 ``qo_indptr``, ``kv_indptr``, ``kv_indices`` and ``kv_last_page_len`` are exactly the int32 arrays
-FlashInfer's wrappers take; the torch backend reads the same arrays (plus host-side copies, so it
-never synchronises with the device to learn a length).
+FlashInfer's wrappers take, on the device (for its K/V writes) and on the host (``host``, for its
+``plan()`` calls); the torch backend reads the same arrays (plus host-side lengths, so it never
+synchronises with the device to learn a length).
 
 Sequences with at most ``SHORT_QUERY`` new tokens (decode steps, speculative verification) are
 planned to be attended together, their queries padded to the longest; longer ones (prompt chunks)
@@ -31,6 +32,18 @@ class CascadeGroup:
 
     members: torch.Tensor  # long [m], positions into the decode list
     shared_pages: torch.Tensor  # long [p]
+    seqs: list[int]  # the same sequences, as indices into the batch
+    num_pages: int  # p
+
+
+@dataclass(slots=True)
+class HostPages:
+    """The paged metadata's int32 arrays on the host (what FlashInfer's ``plan()`` is given)."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -55,6 +68,7 @@ class PagedBatch:
     kv_indptr: torch.Tensor  # int32 [B+1]
     kv_indices: torch.Tensor  # int32 [nnz pages]
     kv_last_page_len: torch.Tensor  # int32 [B]
+    host: HostPages  # the same four arrays on the host
     positions: torch.Tensor  # long [T], position of every new token in its sequence
     write_blocks: torch.Tensor  # long [T], page that receives each new token's K/V
     write_offsets: torch.Tensor  # long [T], slot inside that page
@@ -100,18 +114,17 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
         qo.append(qo[-1] + q)
         kv.append(kv[-1] + len(pg))
 
-    def i32(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int32, device=device)
-
     def i64(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
+    host = HostPages(*(torch.tensor(x, dtype=torch.int32) for x in (
+        qo, kv, [p for pg in pages for p in pg], [(n - 1) % block_size + 1 for n in kv_lens])))
     short = [i for i, q in enumerate(q_lens) if q <= SHORT_QUERY]
     return PagedBatch(
         block_size=block_size,
-        qo_indptr=i32(qo), kv_indptr=i32(kv),
-        kv_indices=i32([p for pg in pages for p in pg]),
-        kv_last_page_len=i32([(n - 1) % block_size + 1 for n in kv_lens]),
+        qo_indptr=host.qo_indptr.to(device), kv_indptr=host.kv_indptr.to(device),
+        kv_indices=host.kv_indices.to(device), kv_last_page_len=host.kv_last_page_len.to(device),
+        host=host,
         positions=i64(positions), write_blocks=i64(write_blocks), write_offsets=i64(write_offsets),
         q_lens=list(q_lens), kv_lens=list(kv_lens), pages=[i64(pg) for pg in pages],
         prefill=[i for i, q in enumerate(q_lens) if q > SHORT_QUERY],
@@ -132,7 +145,9 @@ def next_position(batch: PagedBatch) -> PagedBatch | None:
         return None
     plan = batch.decode
     lens = [n + 1 for n in plan.host_lens]
-    return replace(batch, kv_last_page_len=batch.kv_last_page_len + 1, positions=batch.positions + 1,
+    host = replace(batch.host, kv_last_page_len=batch.host.kv_last_page_len + 1)
+    return replace(batch, kv_last_page_len=batch.kv_last_page_len + 1, host=host,
+                   positions=batch.positions + 1,
                    write_offsets=batch.write_offsets + 1, kv_lens=[n + 1 for n in batch.kv_lens],
                    decode=replace(plan, lens=plan.lens + 1, host_lens=lens, positions=plan.positions + 1))
 
@@ -158,7 +173,8 @@ def _plan_decode(ids: list[int], pages: list[list[int]], q_lens: list[int], kv_l
                 shared[i] = n
             groups.append(CascadeGroup(
                 members=torch.tensor(members, dtype=torch.long, device=device),
-                shared_pages=torch.tensor(pages[seqs[0]][:n], dtype=torch.long, device=device)))
+                shared_pages=torch.tensor(pages[seqs[0]][:n], dtype=torch.long, device=device),
+                seqs=seqs, num_pages=n))
     suffix = [pages[i][shared[i]:] for i in ids]
     width = max(len(s) for s in suffix)
     padded = [s + [s[-1]] * (width - len(s)) for s in suffix]
@@ -183,6 +199,9 @@ class CrossGroup:
     pages: torch.Tensor  # long [p], the images' pages, image after image
     kv_len: int  # p * block_size (positions past an image's tokens are masked)
     allowed: torch.Tensor  # bool [n, kv_len]
+    page_list: list[int]  # the pages, on the host
+    visible_len: int  # no row attends to a position from here on
+    uniform: bool  # every row attends to every position before visible_len
 
 
 @dataclass(slots=True)
@@ -243,11 +262,14 @@ def plan_cross(seqs: list[CrossSequence], num_tokens: int, block_size: int,
     groups = []
     for pages, (rows, masks, pattern_of_row) in by_pages.items():
         allowed = torch.tensor(masks, dtype=torch.bool, device=device)
+        visible = max(len(m) - m[::-1].index(True) for m in masks)
         groups.append(CrossGroup(
             rows=torch.tensor(rows, dtype=torch.long, device=device),
             pages=torch.tensor(pages, dtype=torch.long, device=device),
             kv_len=len(pages) * block_size,
-            allowed=allowed[torch.tensor(pattern_of_row, dtype=torch.long, device=device)]))
+            allowed=allowed[torch.tensor(pattern_of_row, dtype=torch.long, device=device)],
+            page_list=list(pages), visible_len=visible,
+            uniform=all(all(m[:visible]) for m in masks)))
     return CrossBatch(groups, torch.tensor(row_mask, dtype=dtype, device=device))
 
 

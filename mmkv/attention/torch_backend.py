@@ -13,10 +13,16 @@ sequence's KV, up to floating-point rounding.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
+from mmkv.attention.backend import AttentionBackend
 from mmkv.attention.metadata import CrossBatch, PagedBatch
+
+if TYPE_CHECKING:
+    from mmkv.models.base import StepContext
 
 QUERY_CHUNK = 2048
 
@@ -154,3 +160,30 @@ def cross_attention(query: torch.Tensor, layer: torch.Tensor, cross: CrossBatch,
                                            enable_gqa=True)
         out[group.rows] = o[0].transpose(0, 1)
     return out
+
+
+class TorchBackend(AttentionBackend):
+    """Plain torch on any device and dtype: the reference implementation."""
+
+    name = "torch"
+
+    def write_kv(self, step: StepContext, layer: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor) -> None:
+        write_kv(layer, step.batch, key, value)
+
+    def attention(self, step: StepContext, query: torch.Tensor, layer: torch.Tensor, scale: float,
+                  sliding_window: int | None) -> torch.Tensor:
+        return attention(query, layer, step.batch, scale, sliding_window)
+
+    def cross_attention(self, step: StepContext, query: torch.Tensor, layer: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+        return cross_attention(query, layer, step.cross, scale)
+
+    def write_image_kv(self, layer: torch.Tensor, pages: list[int], start: int, key: torch.Tensor,
+                       value: torch.Tensor) -> None:
+        bs = layer.shape[2]
+        pos = torch.arange(start, start + key.shape[0])
+        blocks = torch.tensor(pages, dtype=torch.long)[pos // bs].to(layer.device)
+        offsets = (pos % bs).to(layer.device)
+        layer[blocks, 0, offsets] = key.to(layer.dtype)
+        layer[blocks, 1, offsets] = value.to(layer.dtype)

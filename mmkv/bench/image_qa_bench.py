@@ -10,7 +10,8 @@ The model answers ``--q`` questions about each of ``--i`` images, ``--a`` greedy
 gets every request in one ``generate`` call (cold cache); transformers gets one batched
 ``generate`` per image (the image repeated for each question, as its API needs). Each timing is
 the best of ``--repeats`` runs (mmkv on a fresh engine, so a cold cache, each time). Outputs must be
-equal.
+equal. ``--device cuda`` runs both sides on the GPU (in ``--dtype``, mmkv on
+``--attention-backend``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from transformers.models.mllama.processing_mllama import (
 
 from mmkv import Engine, SamplingParams
 from mmkv.bench import timed
-from mmkv.bench.random_models import (MLLAMA_IMAGE_TOKEN, QWEN_VL_TOKENS, save_random_mllama,
-                                      save_random_qwen2_5_vl)
+from mmkv.bench.prefix_bench import add_device_arguments
+from mmkv.bench.random_models import (BENCH_LLAMA, MLLAMA_IMAGE_TOKEN, QWEN_VL_TOKENS,
+                                      save_random_mllama, save_random_qwen2_5_vl, text_size)
 
 FAMILIES = ("mllama", "qwen2_5_vl")
 IMAGE_SIZES = {"mllama": 224, "qwen2_5_vl": 448}
@@ -46,9 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a", type=int, default=16, help="answer tokens")
     p.add_argument("--question-tokens", type=int, default=12)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--hidden-size", type=int, default=BENCH_LLAMA["hidden_size"],
+                   help="text model width (the figures in the README use the default)")
+    p.add_argument("--num-layers", type=int, default=BENCH_LLAMA["num_hidden_layers"])
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each side; the fastest counts (for a machine shared with others)")
     p.add_argument("--seed", type=int, default=0)
+    add_device_arguments(p)
 
 
 @torch.inference_mode()
@@ -59,9 +65,12 @@ def mllama_answers(model, processor, image: Image.Image, prompts: list[list[int]
     sparse = [get_cross_attention_token_mask(p, model.config.image_token_index) for p in prompts]
     mask = torch.tensor(convert_sparse_cross_attention_mask_to_dense(
         sparse, tiles, model.config.vision_config.max_num_tiles, len(prompts[0])))
-    out = model.generate(torch.tensor(prompts), pixel_values=inputs["pixel_values"],
-                         aspect_ratio_ids=inputs["aspect_ratio_ids"],
-                         aspect_ratio_mask=inputs["aspect_ratio_mask"], cross_attention_mask=mask,
+    device = model.device
+    out = model.generate(torch.tensor(prompts, device=device),
+                         pixel_values=inputs["pixel_values"].to(device, model.dtype),
+                         aspect_ratio_ids=inputs["aspect_ratio_ids"].to(device),
+                         aspect_ratio_mask=inputs["aspect_ratio_mask"].to(device),
+                         cross_attention_mask=mask.to(device),
                          max_new_tokens=new, min_new_tokens=new, do_sample=False)
     return out[:, len(prompts[0]):].tolist()
 
@@ -75,10 +84,13 @@ def qwen_answers(model, processor, image: Image.Image, prompts: list[list[int]],
     grid = inputs["image_grid_thw"]
     pad = model.config.image_token_id
     tokens = int(grid[0].prod()) // model.config.vision_config.spatial_merge_size ** 2
-    ids = torch.tensor([[u for t in p for u in ([t] * tokens if t == pad else [t])] for p in prompts])
+    device = model.device
+    ids = torch.tensor([[u for t in p for u in ([t] * tokens if t == pad else [t])] for p in prompts],
+                       device=device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                         mm_token_type_ids=(ids == pad).int(), pixel_values=inputs["pixel_values"],
-                         image_grid_thw=grid, max_new_tokens=new, min_new_tokens=new,
+                         mm_token_type_ids=(ids == pad).int(),
+                         pixel_values=inputs["pixel_values"].to(device, model.dtype),
+                         image_grid_thw=grid.to(device), max_new_tokens=new, min_new_tokens=new,
                          do_sample=False)
     return out[:, ids.shape[1]:].tolist()
 
@@ -100,7 +112,8 @@ def timed_mmkv(model_dir: Path, requests: list[dict], params: SamplingParams, ar
     best = None
     for _ in range(args.repeats):
         engine = Engine(model_dir, kv_cache_memory="1GiB", host_kv_memory="64MiB",
-                        block_size=args.block_size, device="cpu")
+                        block_size=args.block_size, device=args.device, dtype=args.dtype,
+                        attention_backend=args.attention_backend)
         engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # warm-up, text only
         ours, seconds = timed(lambda: [o.token_ids for o in engine.generate(requests, params)])
         if best is not None and ours != best[0]:
@@ -111,23 +124,23 @@ def timed_mmkv(model_dir: Path, requests: list[dict], params: SamplingParams, ar
 
 
 def run(args: argparse.Namespace) -> dict:
-    rng = np.random.default_rng(args.seed)
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
+    rng = np.random.default_rng(args.seed)
     size = args.image_size or IMAGE_SIZES[args.family]
     images = [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB")
               for _ in range(args.i)]
     save, hf_class, hf_answers = PEERS[args.family]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save(Path(tmp) / args.family, seed=args.seed)
-        prefix = IMAGE_PREFIX[args.family]
-        questions = [prefix + rng.integers(4, 7900, size=args.question_tokens).tolist()
+        model_dir = save(Path(tmp) / args.family, seed=args.seed,
+                         **text_size(args.hidden_size, args.num_layers))
+        questions = [IMAGE_PREFIX[args.family] + rng.integers(4, 7900, size=args.question_tokens).tolist()
                      for _ in range(args.q)]
         params = SamplingParams(max_tokens=args.a, ignore_eos=True)
         requests = [{"prompt": q, "images": [img]} for img in images for q in questions]
         ours, mmkv_s, engine = timed_mmkv(model_dir, requests, params, args)
 
-        model = hf_class.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = hf_class.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(args.device).eval()
         processor = AutoImageProcessor.from_pretrained(model_dir)
         hf_answers(model, processor, images[0], questions[:1], 2)  # warm-up
         runs = [timed(lambda: [a for img in images
@@ -146,6 +159,7 @@ def run(args: argparse.Namespace) -> dict:
         "hf_batched_seconds": round(hf_s, 3),
         "questions_per_image": args.q,
         "answer_tokens": args.a,
+        "device": args.device, "dtype": args.dtype, "attention_backend": engine.attention.name,
     }
     if engine.image_kv is not None:  # cross-attention: image K/V blocks, one copy per image
         bytes_per_block = engine.kv.bytes_per_block

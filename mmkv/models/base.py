@@ -13,7 +13,7 @@ first slots, since a block holds either text K/V or image K/V, never both.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 from transformers import AttentionInterface, AutoConfig, PretrainedConfig
 
 from cache import KVLayout
-from mmkv.attention import torch_backend
+from mmkv.attention.backend import AttentionBackend
 from mmkv.attention.metadata import CrossBatch, PagedBatch
 from mmkv.models.mrope import MRopePositions
 from vision import PreparedImage, VisionPipeline
@@ -39,30 +39,35 @@ class StepContext:
 
     batch: PagedBatch
     kv_layers: list[torch.Tensor]  # per model layer: its storage slot
+    backend: AttentionBackend
     image_rows: torch.Tensor | None = None  # packed rows whose embedding comes from an image
     image_embeds: torch.Tensor | None = None
     cross: CrossBatch | None = None
+    plans: dict = field(default_factory=dict)  # the backend's work prepared once for this step
     rope_positions: torch.Tensor | None = None  # long [3, T]: M-RoPE (T, H, W) positions
 
     def next_position(self, batch: PagedBatch) -> "StepContext":
         """The context of the pass that computes each sequence's next (generated) position:
         ``batch`` is that pass's metadata; M-RoPE positions advance by one on every axis."""
         rope = self.rope_positions
-        return StepContext(batch, self.kv_layers, rope_positions=None if rope is None else rope + 1)
+        return StepContext(batch, self.kv_layers, self.backend,
+                           rope_positions=None if rope is None else rope + 1)
 
 
 def _paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, attention_mask: torch.Tensor | None,
                      scaling: float | None = None, sliding_window: int | None = None,
                      mmkv_step: StepContext | None = None, **_: object):
-    """transformers attention hook: write this step's K/V into the pages, attend over the pages."""
+    """transformers attention hook: write this step's K/V into the pages, attend over the pages
+    (with the engine's attention backend)."""
     if mmkv_step is None:
         raise RuntimeError("mmkv's paged attention runs only inside an mmkv engine step")
     layer = mmkv_step.kv_layers[module.layer_idx]
+    backend = mmkv_step.backend
     q = query[0].transpose(0, 1)  # [T, heads, head_dim]
-    torch_backend.write_kv(layer, mmkv_step.batch, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    backend.write_kv(mmkv_step, layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = torch_backend.attention(q, layer, mmkv_step.batch, scale, sliding_window)
+    out = backend.attention(mmkv_step, q, layer, scale, sliding_window)
     return out[None], None
 
 
@@ -151,6 +156,9 @@ class ModelAdapter:
         self.max_model_len: int = c.max_position_embeddings
         self.vocab_size: int = c.vocab_size
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        text = {id(p) for m in (self.text_model, self.lm_head) for p in m.parameters()}
+        self._layer_parameters = sum(p.numel() for p in self.text_model.layers.parameters())
+        self._vision_parameters = sum(p.numel() for p in self.model.parameters() if id(p) not in text)
         self_layers = [i for i in range(self.num_layers) if i not in self.cross_layers]
         slots = {layer: slot for slot, layer in enumerate(self_layers)}
         slots.update({layer: j for j, layer in enumerate(self.cross_layers)})
@@ -159,11 +167,33 @@ class ModelAdapter:
         self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- layout ---------------------------------------------------------------------------------
-    def kv_layout(self, block_size: int) -> KVLayout:
+    @property
+    def head_dim(self) -> int:
         c = self.text_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return KVLayout(num_layers=self.num_slots, num_kv_heads=c.num_key_value_heads,
-                        head_dim=head_dim, block_size=block_size, dtype=self.dtype)
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    def kv_layout(self, block_size: int) -> KVLayout:
+        return KVLayout(num_layers=self.num_slots, num_kv_heads=self.text_config.num_key_value_heads,
+                        head_dim=self.head_dim, block_size=block_size, dtype=self.dtype)
+
+    # -- rebuild costs: what evicting or dropping cached K/V costs to compute again -------------
+    def text_rebuild_flops(self, start: int, count: int) -> float:
+        """FLOPs to recompute the K/V of ``count`` tokens at positions ``start, start + 1, ...``:
+        every decoder layer's weights once per token, and each token's attention over the
+        positions up to its own."""
+        c = self.text_config
+        pairs = count * start + count * (count + 1) / 2
+        return (2 * self._layer_parameters * count
+                + 4 * self.num_layers * c.num_attention_heads * self.head_dim * pairs)
+
+    def image_rebuild_flops(self, placement: ImagePlacement) -> float:
+        """FLOPs to compute an image's cross-attention K/V again from its pixels: the vision
+        tower and projector once per image token, then every cross-attention layer's K and V
+        projections."""
+        tokens = placement.xattn_tokens or placement.prompt_tokens
+        kv_width = self.text_config.num_key_value_heads * self.head_dim
+        projections = 2 * 2 * self.text_config.hidden_size * kv_width * len(self.cross_layers)
+        return tokens * (2 * self._vision_parameters + projections)
 
     def layer_views(self, storage_layers: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each model layer's KV tensor."""

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from transformers import AutoImageProcessor, MllamaForConditionalGeneration
 
-from mmkv.attention import torch_backend
 from mmkv.models.base import (ATTENTION_NAME, ImagePlacement, ModelAdapter, StepContext,
                               load_hf_config, resolve_dtype)
 from mmkv.models.causal_lm import from_pretrained
@@ -58,8 +57,8 @@ class CrossAttentionAdapter(ModelAdapter):
         t = hidden.shape[1]
         residual = hidden
         q = attn.q_proj(layer.input_layernorm(hidden)).view(t, attn.num_heads, attn.head_dim)
-        o = torch_backend.cross_attention(attn.q_norm(q), step.kv_layers[layer.layer_idx], cross,
-                                          attn.scaling)
+        o = step.backend.cross_attention(step, attn.q_norm(q), step.kv_layers[layer.layer_idx],
+                                         attn.scaling)
         hidden = residual + layer.cross_attn_attn_gate.tanh() * attn.o_proj(o.reshape(1, t, -1))
         mlp = layer.mlp(layer.post_attention_layernorm(hidden))
         mlp = cross.row_mask[None, :, None].to(mlp.dtype) * mlp

@@ -1,0 +1,5 @@
+"""``python -m mmkv serve ...``"""
+
+from mmkv.cli import main
+
+main()

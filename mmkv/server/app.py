@@ -1,0 +1,327 @@
+"""The OpenAI-compatible HTTP API over one ``AsyncEngine`` (FastAPI).
+
+A generation request is checked in this order, so refusals cost nothing: API key (401), body size
+(413), JSON and fields (400), model name (404), admission limit (503 with ``Retry-After``); only
+then are its images loaded (400 when refused) and is it submitted (400 when the engine refuses the
+prompt). From then on a client that disconnects, streaming or not, has its requests aborted: their
+blocks are free before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager, suppress
+from typing import Any, AsyncIterator, Awaitable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from mmkv import RequestOutput, SamplingParams
+from mmkv.server.async_engine import (AsyncEngine, ChatPrompt, EngineOverloaded, EngineStopped,
+                                      RequestFailed, Ticket)
+from mmkv.server.media import MediaLoader
+from mmkv.server.metrics import ServerMetrics
+from mmkv.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                  parse)
+from mmkv.server.responses import (ChoiceStream, Header, chat_chunk, chat_completion, chat_logprobs,
+                                   completion, completion_chunk, completion_logprobs, sse, usage)
+from mmkv.server.settings import ServerSettings
+
+log = logging.getLogger("mmkv.server")
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def build_app(front: AsyncEngine, settings: ServerSettings, media: MediaLoader | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine thread and, on shutdown, aborts what runs and
+    stops it."""
+    media = media if media is not None else MediaLoader(settings.media)
+    metrics = ServerMetrics(lambda: front.stats)
+    tokenizer = copy.deepcopy(front.engine.tokenizer)  # for token strings, off the engine thread
+    token_text = (lambda i: tokenizer.decode([i])) if tokenizer is not None else str
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        front.start()
+        yield
+        front.stop()
+        front.join()
+        front.engine.check_integrity()
+        log.warning("mmkv serve stopped: %d KV blocks in use, block accounting checked",
+                    front.engine.stats()["blocks_in_use"])
+
+    app = FastAPI(lifespan=lifespan, title="mmkv", docs_url=None, redoc_url=None, openapi_url=None)
+    if settings.api_key:
+        app.add_middleware(_RequireKey, key=settings.api_key)
+    app.add_exception_handler(ApiError, _error_response)
+    app.add_exception_handler(HTTPException, _error_response)
+    app.add_exception_handler(Exception, _error_response)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model",
+                                             "created": 0, "owned_by": "mmkv",
+                                             "max_model_len": front.engine.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse(ChatCompletionRequest, await _read_body(request, settings.max_body_bytes))
+        _check_model(req.model, settings)
+        max_tokens = req.max_completion_tokens or req.max_tokens or front.engine.max_model_len
+        params = req.sampling_params(max_tokens, req.requested_logprobs())
+        messages, urls = _template_messages(req.messages)
+        if len(urls) > settings.max_images_per_request:
+            raise ApiError(400, f"{len(urls)} images in one request; at most "
+                                f"{settings.max_images_per_request}", param="messages")
+        ticket = _admit(front, 1, settings)
+        try:
+            images = [await media.load(url) for url in urls]
+            prompt = ChatPrompt(messages, images)
+        except ValueError as err:
+            ticket.release()
+            raise ApiError(400, str(err), param="messages") from None
+        return await respond(request, ticket, [prompt], params, req, Header("chat", req.model))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse(CompletionRequest, await _read_body(request, settings.max_body_bytes))
+        _check_model(req.model, settings)
+        prompts = req.prompts()
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+        ticket = _admit(front, len(prompts), settings)
+        return await respond(request, ticket, prompts, params, req, Header("completion", req.model))
+
+    async def respond(request: Request, ticket: Ticket, prompts: list, params: SamplingParams,
+                      req: ChatCompletionRequest | CompletionRequest, header: Header) -> Response:
+        arrival = time.perf_counter()
+        outputs = front.generate(prompts, params, req.cache_salt, stream=req.stream)
+        timer = _Timer(metrics, arrival)
+        try:
+            if not req.stream:
+                finals = await _unless_disconnected(request, _collect(outputs, len(prompts), timer))
+                ticket.release()
+                timer.done()
+                if header.kind == "chat":
+                    return JSONResponse(chat_completion(header, finals[0], token_text))
+                return JSONResponse(completion(header, finals, token_text))
+            first = await _unless_disconnected(request, anext(outputs))
+        except _ClientGone:
+            ticket.release()
+            return Response(status_code=499)
+        except BaseException as err:
+            ticket.release()
+            await outputs.aclose()
+            raise _api_error(err) from None
+        events = _events(header, first, outputs, prompts, params, req.include_usage, token_text, timer)
+        return _EventStream(events, ticket)
+
+    return app
+
+
+class _Timer:
+    """Observes a request's time to first token and its latency, once each."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
+        self.metrics, self.arrival, self.first_seen = metrics, arrival, False
+
+    def saw(self, out: RequestOutput) -> None:
+        if not self.first_seen and any(c.token_ids for c in out.outputs):
+            self.first_seen = True
+            self.metrics.time_to_first_token.observe(time.perf_counter() - self.arrival)
+
+    def done(self) -> None:
+        self.metrics.request_latency.observe(time.perf_counter() - self.arrival)
+
+
+async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int,
+                   timer: _Timer) -> list[RequestOutput]:
+    finals: list[RequestOutput] = [None] * n  # type: ignore[list-item]
+    async for index, out in outputs:
+        timer.saw(out)
+        if out.finished:
+            finals[index] = out
+    return finals
+
+
+async def _events(header: Header, first: tuple[int, RequestOutput],
+                  outputs: AsyncIterator[tuple[int, RequestOutput]], prompts: list,
+                  params: SamplingParams, include_usage: bool, token_text, timer: _Timer
+                  ) -> AsyncIterator[str]:
+    """SSE chunks of one streamed response; closing it aborts what still runs."""
+    hold = max((len(s) for s in params.stop), default=1) - 1
+    choices = [[ChoiceStream(hold) for _ in range(params.n)] for _ in prompts]
+    finals: list[RequestOutput | None] = [None] * len(prompts)
+    pending: list[tuple[int, RequestOutput]] = [first]
+    try:
+        while pending or None in finals:
+            index, out = pending.pop() if pending else await anext(outputs)
+            timer.saw(out)
+            if out.finished:
+                finals[index] = out
+            for c in out.outputs:
+                stream = choices[index][c.index]
+                was_started = stream.started
+                delta, new, send = stream.advance(c)
+                if not send:
+                    continue
+                if header.kind == "chat":
+                    lp = None if new is None else chat_logprobs(new, token_text)
+                    yield sse(chat_chunk(header, c.index, delta, not was_started, c.finish_reason, lp))
+                else:
+                    offset = len(stream.text) - len(delta)
+                    lp = None if new is None else completion_logprobs(new, token_text, offset)
+                    choice = index * params.n + c.index
+                    yield sse(completion_chunk(header, choice, delta, c.finish_reason, lp))
+        timer.done()
+        if include_usage:
+            object_ = "chat.completion.chunk" if header.kind == "chat" else "text_completion"
+            yield sse(header.body(object_, [], usage=usage(finals)))
+    except (RequestFailed, EngineStopped) as err:
+        yield sse(_api_error(err).body())
+    finally:
+        await outputs.aclose()
+    yield sse("[DONE]")
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that, however the response ends (done, client gone, shutdown), close
+    their source (aborting its requests) and release the admission ticket."""
+
+    def __init__(self, events: AsyncIterator[str], ticket: Ticket) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.ticket = ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with suppress(RuntimeError):
+                await self.body_iterator.aclose()
+            self.ticket.release()
+
+
+async def _unless_disconnected(request: Request, awaitable: Awaitable) -> Any:
+    """``awaitable``'s result, or ``_ClientGone`` (the work cancelled) if the client leaves first."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise _ClientGone()
+        return work.result()
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            with suppress(BaseException):
+                await work
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _error_response(_: Request, err: Exception) -> Response:
+    if isinstance(err, HTTPException):  # no such route, method not allowed
+        return ApiError(err.status_code, str(err.detail)).response()
+    if not isinstance(err, ApiError):
+        log.exception("request failed", exc_info=err)
+        err = ApiError(500, f"internal error: {type(err).__name__}: {err}", type="server_error")
+    return err.response()
+
+
+def _api_error(err: BaseException) -> ApiError | BaseException:
+    if isinstance(err, ApiError):
+        return err
+    if isinstance(err, EngineStopped):
+        return ApiError(503, str(err), type="server_error", code="shutting_down")
+    if isinstance(err, RequestFailed):
+        return ApiError(500, f"the request failed inside the engine: {err}", type="server_error")
+    if isinstance(err, ValueError):  # the engine refused the prompt at submission
+        return ApiError(400, str(err))
+    return err
+
+
+def _admit(front: AsyncEngine, n: int, settings: ServerSettings) -> Ticket:
+    try:
+        return front.admit(n)
+    except EngineOverloaded as err:
+        raise ApiError(503, f"the server is at its admission limit ({err}); retry later",
+                       type="server_error", code="overloaded",
+                       headers={"Retry-After": str(settings.retry_after_seconds)}) from None
+    except EngineStopped as err:
+        raise _api_error(err) from None
+
+
+def _check_model(name: str, settings: ServerSettings) -> None:
+    if name != settings.served_model_name:
+        raise ApiError(404, f"model {name!r} does not exist; this server serves "
+                            f"{settings.served_model_name!r}", param="model", code="model_not_found")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the body has {declared} bytes; the limit is {limit}", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"the body is over the limit of {limit} bytes", code="request_too_large")
+    return bytes(body)
+
+
+def _template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Messages as chat templates take them (image parts as ``{"type": "image"}``) and the image
+    URLs in the order their parts appear."""
+    out, urls = [], []
+    for m in messages:
+        if m.content is None or isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content or ""})
+            continue
+        parts = []
+        for part in m.content:
+            if part.type == "text":
+                parts.append({"type": "text", "text": part.text})
+            else:
+                parts.append({"type": "image"})
+                urls.append(part.image_url.url)
+        out.append({"role": m.role, "content": parts})
+    return out, urls
+
+
+class _RequireKey:
+    """ASGI middleware: every HTTP route needs ``Authorization: Bearer <key>`` (constant-time
+    comparison)."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                                    type="authentication_error", code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,215 @@
+"""The async front of one ``Engine``: a thread owns it, coroutines submit work and await outputs.
+
+Only the engine thread touches the ``Engine``. It takes commands (submit, abort, stop) from a
+thread-safe queue between steps and runs ``step()`` while any request is unfinished, so requests
+that arrive while others decode join the running batch (continuous batching across HTTP
+requests). Outputs go back to each submission's ``asyncio.Queue`` on the event loop that made it.
+
+Invariant: a submission that ends for any reason (finished, failed, its caller gone, shutdown)
+holds no block once the engine thread has handled its abort, which it does before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from mmkv import Engine, RequestOutput, SamplingParams
+
+
+class EngineOverloaded(Exception):
+    """The admission limit is reached: the client should retry later."""
+
+
+class EngineStopped(Exception):
+    """The server is shutting down; requests in flight were aborted."""
+
+
+class RequestFailed(Exception):
+    """A request raised inside the engine (its own failure; the others run on)."""
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    """Chat messages (image parts as ``{"type": "image"}``) and their images' bytes in order,
+    rendered by the model's chat template on the engine thread (which owns the tokenizer)."""
+
+    messages: list[dict[str, Any]]
+    images: list[bytes]
+
+
+@dataclass(slots=True, eq=False)
+class _Submission:
+    """Prompts sent together (one HTTP request), each an engine request with the same params."""
+
+    prompts: list[Any]
+    params: SamplingParams
+    cache_salt: str | None
+    stream: bool
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    request_ids: list[int] = field(default_factory=list)
+    started: set[int] = field(default_factory=set)  # requests that produced a token
+
+
+class Ticket:
+    """A place under the admission limit, held from before a request's images are fetched until
+    its response is done; ``release`` is idempotent."""
+
+    def __init__(self, front: "AsyncEngine", n: int) -> None:
+        self._front, self._n = front, n
+
+    def release(self) -> None:
+        self._front.admitted -= self._n
+        self._n = 0
+
+
+class AsyncEngine:
+    """One engine behind an event loop.
+
+    Guarantees: requests of many coroutines run in one continuous batch; ``generate`` yields a
+    submission's outputs and, however it is left (finished, exception, cancellation), leaves none
+    of its requests running; ``stop`` aborts everything in flight and ends the thread with the
+    engine holding no block.
+    """
+
+    def __init__(self, engine: Engine, max_pending: int) -> None:
+        self.engine = engine
+        self.max_pending = max_pending  # requests admitted at once (running plus waiting)
+        self.admitted = 0  # touched only on the event loop
+        self.stats: dict[str, int] = engine.stats()  # a snapshot, replaced after every step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._owners: dict[int, _Submission] = {}  # engine request id -> its submission
+        self._lock = threading.Lock()  # orders every submission before the stop command
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="mmkv-engine", daemon=True)
+
+    # -- the event loop's side --------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def admit(self, n: int) -> Ticket:
+        """Reserve ``n`` requests' places, or raise ``EngineOverloaded`` (before any work)."""
+        if self._stopping:
+            raise EngineStopped("the server is shutting down")
+        if self.admitted + n > self.max_pending:
+            raise EngineOverloaded(f"{self.admitted} requests in flight; the limit is {self.max_pending}")
+        self.admitted += n
+        return Ticket(self, n)
+
+    async def generate(self, prompts: list[Any], params: SamplingParams, cache_salt: str | None = None,
+                       stream: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield ``(prompt index, output)`` as the engine produces them (with ``stream=False``
+        only each request's first output with a token and its last), until every prompt is
+        finished. Raises ``ValueError`` for input the engine refuses (nothing of it runs),
+        ``RequestFailed`` when a request raised inside the engine, ``EngineStopped`` on shutdown."""
+        sub = _Submission(prompts, params, cache_salt, stream, asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            self._commands.put(("submit", sub))
+        done = 0
+        try:
+            while done < len(prompts):
+                item = await sub.outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                done += item[1].finished
+                yield item
+        finally:
+            if done < len(prompts):
+                self._commands.put(("abort", sub))
+
+    def stop(self) -> None:
+        """Abort everything in flight and end the engine thread (callable from any thread)."""
+        with self._lock:
+            self._stopping = True
+            self._commands.put(("stop", None))
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    # -- the engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            idle = not self.engine.has_unfinished()
+            commands = [self._commands.get()] if idle else []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for name, sub in commands:
+                if name == "stop":
+                    self._abort_all(EngineStopped("the server is shutting down"))
+                    self.stats = self.engine.stats()
+                    return
+                if name == "submit":
+                    self._submit(sub)
+                else:
+                    self._abort(sub)
+            if self.engine.has_unfinished():
+                self._step()
+            self.stats = self.engine.stats()
+
+    def _submit(self, sub: _Submission) -> None:
+        try:
+            for prompt in sub.prompts:
+                if isinstance(prompt, ChatPrompt):
+                    ids = self.engine.render_chat(prompt.messages)
+                    prompt = {"prompt": ids, "images": prompt.images} if prompt.images else ids
+                sub.request_ids.append(self.engine.add_request(prompt, sub.params, sub.cache_salt))
+                self._owners[sub.request_ids[-1]] = sub
+        except Exception as err:  # refused input (ValueError) or a bug: nothing of it runs
+            self._abort(sub)
+            self._deliver(sub, [err])
+
+    def _abort(self, sub: _Submission) -> None:
+        for request_id in sub.request_ids:
+            if self._owners.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+
+    def _abort_all(self, err: Exception) -> None:
+        for sub in {id(s): s for s in self._owners.values()}.values():
+            self._abort(sub)
+            self._deliver(sub, [err])
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # the engine itself broke: fail what is in flight, keep serving
+            self._abort_all(RequestFailed(f"engine step failed: {type(err).__name__}: {err}"))
+            return
+        ready: dict[int, tuple[_Submission, list]] = {}
+        for out in outputs:
+            sub = self._owners.get(out.request_id)
+            if sub is None:
+                continue
+            items = ready.setdefault(id(sub), (sub, []))[1]
+            if out.finished:
+                del self._owners[out.request_id]
+            if out.error is not None:
+                self._abort(sub)
+                items.append(RequestFailed(out.error))
+                continue
+            first = out.request_id not in sub.started and any(o.token_ids for o in out.outputs)
+            if first:
+                sub.started.add(out.request_id)
+            if sub.stream or out.finished or first:
+                items.append((sub.request_ids.index(out.request_id), out))
+        for sub, items in ready.values():
+            self._deliver(sub, items)
+
+    def _deliver(self, sub: _Submission, items: list) -> None:
+        try:
+            sub.loop.call_soon_threadsafe(_put_all, sub.outputs, items)
+        except RuntimeError:  # that event loop is closed: nobody is waiting any more
+            pass
+
+
+def _put_all(outputs: asyncio.Queue, items: list) -> None:
+    for item in items:
+        outputs.put_nowait(item)

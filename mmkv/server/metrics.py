@@ -1,0 +1,58 @@
+"""Prometheus metrics of one server, in a registry of its own (two servers in one process do not mix).
+
+Gauges and counters are read at scrape time from the engine's latest ``stats()`` snapshot, so they
+are exactly the engine's figures; the two histograms are observed by the HTTP front per request.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+GAUGES = {  # metric: (help, how to read it from engine stats)
+    "mmkv_requests_running": ("Requests with a sequence in the running batch", "requests_running"),
+    "mmkv_requests_waiting": ("Requests queued or preempted, not running", "requests_waiting"),
+    "mmkv_kv_blocks_in_use": ("KV blocks referenced by requests", "blocks_in_use"),
+    "mmkv_kv_blocks_total": ("KV blocks in the device pool", "blocks_total"),
+}
+COUNTERS = {  # metric (without _total): (help, stats keys summed)
+    "mmkv_prompt_tokens": ("Prompt tokens submitted", ("prompt_tokens",)),
+    "mmkv_cached_prompt_tokens": ("Prompt tokens served from the radix tree", ("cached_prompt_tokens",)),
+    "mmkv_generation_tokens": ("Tokens generated", ("generated_tokens",)),
+    "mmkv_encoder_calls": ("Vision encoder calls", ("encoder_calls",)),
+    "mmkv_preemptions": ("Sequences preempted (swapped or recomputed)",
+                         ("preemptions_swap", "preemptions_recompute")),
+}
+
+
+class _EngineStats(Collector):
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for name, (text, key) in GAUGES.items():
+            yield GaugeMetricFamily(name, text, value=stats.get(key, 0))
+        for name, (text, keys) in COUNTERS.items():
+            yield CounterMetricFamily(name, text, value=sum(stats.get(k, 0) for k in keys))
+
+
+class ServerMetrics:
+    """The metrics ``GET /metrics`` shows: engine figures and per-request latency histograms."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStats(stats))
+        self.time_to_first_token = Histogram(
+            "mmkv_time_to_first_token_seconds", "From request arrival to its first generated token",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.request_latency = Histogram(
+            "mmkv_request_latency_seconds", "From request arrival to its last token",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,187 @@
+"""OpenAI request bodies as the server accepts them, and OpenAI's error body.
+
+Unknown fields are ignored (clients send many); fields whose non-default value mmkv cannot honour
+(penalties, logit bias, tools, JSON mode, echo, suffix) are refused with a 400 naming the field,
+rather than silently ignored. Extra fields beyond OpenAI's: ``top_k``, ``ignore_eos``,
+``stop_token_ids``, ``priority``, ``cache_salt``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from mmkv import SamplingParams
+
+MAX_N = 16  # samples per prompt
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_STOP = 16
+
+
+class ApiError(Exception):
+    """An error as a client sees it: an HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageURL(_Model):
+    url: str
+    detail: str | None = None
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _Sampling(_Model):
+    """Fields shared by both endpoints."""
+
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int = Field(0, ge=-1)  # -1 or 0: off
+    ignore_eos: bool = False
+    stop_token_ids: list[StrictInt] = Field(default_factory=list)
+    priority: int = 0
+    cache_salt: str | None = None
+
+    def check_supported(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise ApiError(400, f"{name} is not supported; allowed: 0", param=name)
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported; allowed: empty", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP:
+            raise ApiError(400, f"stop has {len(stops)} entries; at most {MAX_STOP}", param="stop")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                  top_k=max(self.top_k, 0), seed=self.seed, stop=self.stop or [],
+                                  stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                                  n=self.n, priority=self.priority, logprobs=logprobs)
+        except ValueError as err:
+            raise ApiError(400, str(err), param=str(err).split(" ")[0]) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ApiError(400, "tools are not supported", param="tools")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ApiError(400, "response_format is not supported; allowed: {\"type\": \"text\"}",
+                           param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise ApiError(400, "echo is not supported; allowed: false", param="echo")
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+        if self.best_of not in (None, self.n):
+            raise ApiError(400, f"best_of must equal n ({self.n}) when given", param="best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts this request holds (a string, strings, token ids, lists of token ids)."""
+        p = self.prompt
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise ApiError(400, f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS}",
+                           param="prompt")
+        return prompts
+
+
+def parse(model: type[_Model], body: bytes) -> Any:
+    """The request body as ``model``, or an ``ApiError`` 400 naming the bad field."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the body is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ApiError(400, f"{where}: {first['msg']}", param=where or None) from None
+    request.check_supported()
+    return request

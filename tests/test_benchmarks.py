@@ -1,0 +1,90 @@
+"""Every benchmark runs end to end at a small size, its outputs equal its peer's, and its counts
+mean what the README says; a benchmark whose outputs differ exits non-zero."""
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from mmkv.bench import __main__ as bench_main
+
+ROOT = Path(__file__).parent.parent
+
+
+def bench(*argv: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "mmkv.bench", *argv, "--json"], check=True,
+                         capture_output=True, text=True, timeout=300, cwd=ROOT).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def test_cache_bench_evicts_everything_it_cached():
+    result = bench("cache", "--requests", "60", "--documents", "6", "--doc-tokens", "64",
+                   "--question-tokens", "16", "--prompt-tokens", "512", "--repeats", "2")
+    # Six shared documents once (4 blocks each), each request's question block, and the two
+    # timed prompts beyond their document: the tree stores each distinct block once.
+    assert result["cached_blocks"] == result["evicted_blocks"] == 6 * 4 + 60 + 2 * (512 - 64) // 16
+
+
+def test_prefix_bench_computes_each_unique_token_once():
+    result = bench("prefix", "--n", "3", "--p", "40", "--q", "5", "--a", "4", "--block-size", "4",
+                   "--hidden-size", "64", "--num-layers", "2")
+    assert result["outputs_equal"] is True
+    assert result["computed_prefill_tokens"] == result["unique_tokens"] == 40 + 3 * 5
+    assert result["kv_bytes_peak"] <= result["kv_peak_goal_bytes"]
+
+
+def test_image_qa_bench_encodes_each_image_once():
+    result = bench("image-qa", "--i", "2", "--q", "3", "--a", "4", "--question-tokens", "5",
+                   "--hidden-size", "64", "--num-layers", "4")
+    assert result["outputs_equal"] is True
+    assert result["encoder_calls"] == result["images"] == 2
+    assert result["xattn_kv_bytes"] == result["xattn_kv_bytes_unique_bound"]
+
+
+def test_image_qa_bench_on_qwen2_5_vl_computes_each_image_once():
+    result = bench("image-qa", "--family", "qwen2_5_vl", "--i", "2", "--q", "3", "--a", "4",
+                   "--question-tokens", "5", "--hidden-size", "64", "--num-layers", "2",
+                   "--image-size", "112", "--repeats", "2")
+    assert result["outputs_equal"] is True
+    assert result["encoder_calls"] == result["images"] == 2
+    # A prompt is <|vision_start|>, 16 image tokens, <|vision_end|> and 5 question tokens; each
+    # image's first question computes all 23, the two others read the first block (16) from it.
+    assert result["prompt_tokens"] == 2 * 3 * 23
+    assert result["computed_prefill_tokens"] == 2 * (23 + 2 * (23 - 16))
+
+
+def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
+    result = bench("spec", "--requests", "1", "--sweep", "1,2", "--chart", str(tmp_path / "sweep.png"),
+                   "--adaptive-threshold", "0.4", "--repeats", "1")
+    assert result["outputs_equal"] is True
+    for name in ("early_exit", "draft"):
+        assert 0 < result[f"acceptance_rate_{name}_b1"] <= 1
+        assert result[f"mean_tokens_per_round_{name}_b1"] > 1  # fewer target passes than tokens
+        assert result[f"peak_blocks_{name}_b8"] >= result["peak_blocks_plain_b8"] > 0
+    assert result["draft_extra_blocks_early_exit"] == (result["peak_blocks_early_exit_b8"]
+                                                       - result["peak_blocks_plain_b8"])
+    assert set(result["sweep_early_exit_b1"]) == {"1", "2"}
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_a_benchmark_whose_outputs_differ_exits_non_zero(monkeypatch, capsys):
+    differing = types.SimpleNamespace(__doc__="a benchmark whose outputs differ",
+                                      add_arguments=lambda parser: None,
+                                      run=lambda args: {"outputs_equal": False, "speedup": 9.0})
+    monkeypatch.setitem(bench_main.BENCHMARKS, "differing", differing)
+    with pytest.raises(SystemExit, match="outputs differ"):
+        bench_main.main(["differing", "--json"])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["outputs_equal"] is False
+
+
+def test_serve_bench_drives_both_servers_to_equal_answers():
+    """`mmkv serve` and `transformers serve --continuous-batching` on one small document."""
+    result = bench("serve", "--documents", "1", "--questions", "3", "--document-tokens", "60",
+                   "--concurrency", "3", "--max-tokens", "4")
+    assert result["outputs_equal"] is True and result["requests"] == 3
+    for server in ("mmkv", "transformers_serve"):
+        assert result[server]["request_throughput"] > 0 and result[server]["ttft_p99_ms"] > 0
+    assert result["throughput_vs_transformers_serve"] > 0
