@@ -23,6 +23,7 @@ from transformers import AttentionInterface, AutoConfig, PretrainedConfig
 from cache import KVLayout
 from mmkv.attention.backend import AttentionBackend
 from mmkv.attention.metadata import CrossBatch, PagedBatch
+from mmkv.models.fused_layer import FusedDecoderLayer
 from mmkv.models.mrope import MRopePositions
 from vision import PreparedImage, VisionPipeline
 
@@ -164,6 +165,9 @@ class ModelAdapter:
         slots.update({layer: j for j, layer in enumerate(self.cross_layers)})
         self.layer_slots = [slots[i] for i in range(self.num_layers)]
         self.num_slots = max(len(self_layers), len(self.cross_layers))
+        # mmkv's own forward where the layer has the Llama structure; transformers' module otherwise
+        self.fused = {i: FusedDecoderLayer(self.text_model.layers[i]) for i in self_layers
+                      if FusedDecoderLayer.supports(self.text_model.layers[i])}
         self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- layout ---------------------------------------------------------------------------------
@@ -230,9 +234,13 @@ class ModelAdapter:
         positions = step.batch.positions[None]
         rope = positions if step.rope_positions is None else step.rope_positions
         rotary = self.rotary(hidden, rope, max(step.batch.kv_lens))
+        row_cos, row_sin = rotary[0][0, :, None], rotary[1][0, :, None]  # [T, 1, head_dim]
         for i in range(start, self.num_layers if end is None else end):
             layer = self.text_model.layers[i]
-            if i in self.cross_layers:  # families with cross layers define run_cross_layer
+            fused = self.fused.get(i)
+            if fused is not None:
+                hidden = fused(hidden[0], row_cos, row_sin, step)[None]
+            elif i in self.cross_layers:  # families with cross layers define run_cross_layer
                 hidden = self.run_cross_layer(layer, hidden, step)
             else:
                 hidden = layer(hidden, position_embeddings=rotary, position_ids=positions,

@@ -1,0 +1,105 @@
+"""mmkv's own forward for Llama-style decoder layers, over transformers' parameters.
+
+Llama, Mistral, Qwen2 and Mllama's self-attention layers share one structure: RMSNorm, Q/K/V
+projections, rotary embedding, attention, output projection and residual; RMSNorm, gate and up
+projections, ``act(gate) * up``, down projection and residual. transformers runs it as a tree of
+modules with a batch dimension, transposes to ``[batch, heads, tokens, dim]`` and back, and about
+fifteen Python calls per layer. ``FusedDecoderLayer`` runs the same operations on packed rows
+``[tokens, hidden]`` with one GEMM for Q, K and V and one for gate and up: their weights are
+concatenated once at load and the modules' parameters become views of the concatenation (no
+second copy; the modules still work).
+
+Invariant: in float32 the output equals the transformers module's bit for bit (each operation is
+the module's, in its order; a concatenated weight gives each output the same dot product), which
+``tests/test_fused_layer.py`` checks on every family.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from mmkv.models.base import StepContext
+
+SUPPORTED = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
+             "MllamaSelfAttentionDecoderLayer")
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: statistics in float32, the weight applied in the input's dtype."""
+    x = hidden.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(hidden.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[T, heads, dim]`` with ``cos``/``sin`` ``[T, 1, dim]``."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _concatenate(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linear layers over the same input; each module's
+    parameters become views into it."""
+    weight = torch.cat([m.weight.detach() for m in modules])
+    biases = [m.bias for m in modules]
+    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+    if bias is None and any(b is not None for b in biases):
+        raise ValueError("cannot fuse linear layers of which only some have a bias")
+    start = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight.data = weight[start:start + n]
+        if bias is not None:
+            m.bias.data = bias[start:start + n]
+        start += n
+    return weight, bias
+
+
+class FusedDecoderLayer:
+    """One decoder layer's forward on packed rows. Guarantees: ``layer(hidden, cos, sin, step)``
+    equals the module's output for the same rows, positions and paged context (bit for bit in
+    float32), and writes the same K/V."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        attn, mlp = module.self_attn, module.mlp
+        self.layer_idx = attn.layer_idx
+        self.head_dim = attn.head_dim
+        self.num_heads = attn.config.num_attention_heads
+        self.num_kv_heads = attn.config.num_key_value_heads
+        self.scaling = attn.scaling
+        self.sliding_window = (attn.sliding_window if hasattr(attn, "sliding_window")
+                               else getattr(attn.config, "sliding_window", None))
+        self.qkv_weight, self.qkv_bias = _concatenate([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up_weight, self.gate_up_bias = _concatenate([mlp.gate_proj, mlp.up_proj])
+        self.o_proj, self.down_proj, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
+        self.input_norm = module.input_layernorm
+        self.post_attention_norm = module.post_attention_layernorm
+        self.split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                      self.num_kv_heads * self.head_dim]
+        self.intermediate = mlp.gate_proj.weight.shape[0]
+
+    @staticmethod
+    def supports(module: torch.nn.Module) -> bool:
+        return type(module).__name__ in SUPPORTED
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 step: StepContext) -> torch.Tensor:
+        """``hidden`` ``[T, hidden]``; ``cos``/``sin`` ``[T, 1, head_dim]`` at the rows' positions."""
+        t = hidden.shape[0]
+        norm = self.input_norm
+        x = rms_norm(hidden, norm.weight, norm.variance_epsilon)
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
+        q = rotate(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = rotate(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        layer = step.kv_layers[self.layer_idx]
+        step.backend.write_kv(step, layer, k, v.view(t, self.num_kv_heads, self.head_dim))
+        out = step.backend.attention(step, q, layer, self.scaling, self.sliding_window)
+        hidden = hidden + self.o_proj(out.reshape(t, -1))
+        norm = self.post_attention_norm
+        x = rms_norm(hidden, norm.weight, norm.variance_epsilon)
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.intermediate, dim=-1)
+        return hidden + self.down_proj(self.act(gate) * up)
