@@ -8,6 +8,7 @@ from PIL import Image
 
 from mmkv import Engine, SamplingParams
 from server_harness import MODEL_NAME, png_data_url, start_server
+from test_fused_layer import assert_same_as_modules
 from speculative import SpeculativeConfig
 from tiny_qwen_vl import FAMILIES, IMAGE_PAD, build_qwen_vl, hf_greedy, load_oracle, picture
 
@@ -210,3 +211,10 @@ def test_server_chat_with_an_image_uses_the_models_chat_template(qwen_dirs, orac
     assert body["usage"]["prompt_tokens"] == len(prompt)
     assert body["choices"][0]["message"]["content"] == processor.tokenizer.decode(
         answer, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_fused_layers_equal_the_modules_bit_for_bit(qwen_dirs, family):
+    """Qwen2-VL's and Qwen2.5-VL's decoder layers run fused, with M-RoPE's per-row cos/sin."""
+    eng = qwen_engine(qwen_dirs, family, max_num_batched_tokens=16)
+    assert_same_as_modules(eng, [{"prompt": text, "images": images} for text, images in REQUESTS])
