@@ -35,8 +35,8 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 
-TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, head_dim=16,
-            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512,
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            head_dim=16, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512,
             initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
 TOKENS = dict(image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
@@ -87,11 +87,14 @@ def build_qwen_vl(family: str, directory: Path, seed: int = 0, quiet_from: int |
     config = config_cls(text_config=TEXT, vision_config=vision, initializer_range=0.15, **TOKENS)
     torch.manual_seed(seed)
     model = model_cls(config)
-    if quiet_from is not None:
-        with torch.no_grad():
-            for layer in model.model.language_model.layers[quiet_from:]:
-                layer.self_attn.o_proj.weight.mul_(0.1)
-                layer.mlp.down_proj.weight.mul_(0.1)
+    with torch.no_grad():
+        for name, p in model.model.language_model.named_parameters():
+            if name.endswith(".bias"):  # Q/K/V biases start at 0: make them count
+                p.normal_(0, 0.15)
+        quiet = model.model.language_model.layers[quiet_from:] if quiet_from is not None else []
+        for layer in quiet:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
     model.save_pretrained(directory)
     patch = vision["patch_size"]
     factor = patch * 2  # each side a multiple of patch × merge
