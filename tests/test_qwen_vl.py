@@ -52,8 +52,9 @@ def qwen_engine(qwen_dirs, family, blocks=512, **kw) -> Engine:
                   host_kv_memory=blocks * BLOCK_BYTES, block_size=4, device="cpu", **kw)
 
 
-def run(eng: Engine, requests, **kw):
-    return eng.generate([{"prompt": text, "images": images} for text, images in requests], P, **kw)
+def run(eng: Engine, requests, params: SamplingParams = P, **kw):
+    return eng.generate([{"prompt": text, "images": images} for text, images in requests], params,
+                        **kw)
 
 
 def assert_oracle(family, oracle, requests, outs):
@@ -112,15 +113,19 @@ def test_many_questions_about_one_image_share_it(qwen_dirs, oracle, family):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_solid_84x56_and_56x84_images_are_different_images(qwen_dirs, oracle, family):
-    """Same pixel values, same prompt ids, different grids: different keys and outputs."""
+    """Same pixel values, same prompt ids, different grids: different keys and outputs (every
+    image token has the same features, so only the grid's positions tell them apart: the greedy
+    tokens may agree, their log-probabilities do not)."""
     wide, tall = Image.new("RGB", (84, 56), (200, 40, 90)), Image.new("RGB", (56, 84), (200, 40, 90))
     eng = qwen_engine(qwen_dirs, family)
     requests = [(f"{MARKUP}describe", [wide]), (f"{MARKUP}describe", [tall])]
     inputs = [eng.model.vision.prepare(images)[0].inputs for _, images in requests]
     assert torch.equal(inputs[0]["pixel_values"], inputs[1]["pixel_values"])
-    [a] = run(eng, requests[:1])
-    [b] = run(eng, requests[1:])
-    assert a.prompt_token_ids == b.prompt_token_ids and a.token_ids != b.token_ids
+    with_logprobs = SamplingParams(max_tokens=P.max_tokens, ignore_eos=True, logprobs=0)
+    [a] = run(eng, requests[:1], with_logprobs)
+    [b] = run(eng, requests[1:], with_logprobs)
+    assert a.prompt_token_ids == b.prompt_token_ids
+    assert a.outputs[0].logprobs[0].logprob != b.outputs[0].logprobs[0].logprob
     assert b.cached_tokens == b.prompt_token_ids.index(IMAGE_PAD)
     assert eng.stats()["distinct_images"] == 2 and eng.stats()["encoder_calls"] == 2
     assert_oracle(family, oracle, requests, [a, b])
