@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -24,5 +24,24 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m mmkv.bench cache --json
 
+# The peers that take long to install, for `python -m mmkv.bench prefix --peers llama.cpp`:
+# llama-cpp-python compiles llama.cpp (about 11 minutes on 2 cores); its source distribution
+# also carries llama.cpp's GGUF converter, which goes to .peers/llama.cpp.
+LLAMA_CPP := 0.3.36
+PEERS := .peers/llama.cpp/convert_hf_to_gguf.py
+
+bench-peers: $(PEERS)
+
+$(PEERS): $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install --quiet 'llama-cpp-python==$(LLAMA_CPP)' 'gguf==0.19.0' 'sentencepiece==0.2.3'
+	rm -rf .peers/src && mkdir -p .peers/src
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: 'llama-cpp-python==$(LLAMA_CPP)' -d .peers/src
+	tar -xzf .peers/src/llama_cpp_python-$(LLAMA_CPP).tar.gz -C .peers/src \
+		llama_cpp_python-$(LLAMA_CPP)/vendor/llama.cpp/convert_hf_to_gguf.py \
+		llama_cpp_python-$(LLAMA_CPP)/vendor/llama.cpp/conversion \
+		llama_cpp_python-$(LLAMA_CPP)/vendor/llama.cpp/gguf-py
+	rm -rf .peers/llama.cpp && mv .peers/src/llama_cpp_python-$(LLAMA_CPP)/vendor/llama.cpp .peers/llama.cpp
+	rm -rf .peers/src
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .peers

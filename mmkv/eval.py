@@ -5,7 +5,8 @@
 Questions come from ``mmkv.synthetic`` with seeds the training script never uses. Every answer is
 produced with prefix caching (and image sharing) on, with it off, and (for a model with an early
 exit) with early-exit speculative decoding, and must be identical each time.
-The last line of ``--json`` output is one JSON object.
+``--dtype bfloat16`` answers in bfloat16 and also reports float32's accuracy and how many answers
+the two share. The last line of ``--json`` output is one JSON object.
 """
 
 from __future__ import annotations
@@ -37,30 +38,46 @@ def questions(scenes: int, documents: int, seed: int = EVAL_SEED) -> list[tuple[
     return out
 
 
-def answer_all(model: Path, prompts: list, caching: bool,
-               speculative: SpeculativeConfig | None = None) -> tuple[list[str], float, dict]:
-    engine = Engine(model, kv_cache_memory="512MiB", host_kv_memory="64MiB",
+def answer_all(model: Path, prompts: list, caching: bool, speculative: SpeculativeConfig | None = None,
+               dtype: str = "float32") -> tuple[list[str], float, dict]:
+    engine = Engine(model, kv_cache_memory="512MiB", host_kv_memory="64MiB", dtype=dtype,
                     enable_prefix_caching=caching, speculative=speculative)
     start = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_ANSWER_TOKENS))
     return [o.text.strip() for o in outs], time.perf_counter() - start, engine.stats()
 
 
-def evaluate(model: Path, scenes: int, documents: int, seed: int = EVAL_SEED) -> dict:
-    items = questions(scenes, documents, seed)
-    prompts = [p for p, *_ in items]
-    cached, cached_s, stats = answer_all(model, prompts, caching=True)
-    plain, plain_s, _ = answer_all(model, prompts, caching=False)
-    speculated = None
-    if read_config_json(model).get("early_exit_layer") is not None:
-        speculated, _, _ = answer_all(model, prompts, caching=True,
-                                      speculative=SpeculativeConfig(**BUNDLED_SPECULATION))
+def accuracy(answers: list[str], items: list) -> dict[str, float]:
+    """Exact-match accuracy per task (``scene``, ``document``) and per ``task/kind``."""
     right: dict[str, list[bool]] = defaultdict(list)
-    for got, (_, want, task, kind) in zip(cached, items):
+    for got, (_, want, task, kind) in zip(answers, items):
         right[task].append(got == want)
         right[f"{task}/{kind}"].append(got == want)
-    acc = {k: round(sum(v) / len(v), 4) for k, v in sorted(right.items())}
+    return {k: round(sum(v) / len(v), 4) for k, v in sorted(right.items())}
+
+
+def evaluate(model: Path, scenes: int, documents: int, seed: int = EVAL_SEED,
+             dtype: str = "float32") -> dict:
+    items = questions(scenes, documents, seed)
+    prompts = [p for p, *_ in items]
+    cached, cached_s, stats = answer_all(model, prompts, caching=True, dtype=dtype)
+    plain, plain_s, _ = answer_all(model, prompts, caching=False, dtype=dtype)
+    speculated = None
+    if read_config_json(model).get("early_exit_layer") is not None:
+        speculated, _, _ = answer_all(model, prompts, caching=True, dtype=dtype,
+                                      speculative=SpeculativeConfig(**BUNDLED_SPECULATION))
+    acc = accuracy(cached, items)
+    versus_float32 = {}
+    if dtype != "float32":
+        reference, reference_s, _ = answer_all(model, prompts, caching=True)
+        ref_acc = accuracy(reference, items)
+        versus_float32 = {"float32_scene_accuracy": ref_acc.get("scene", 0.0),
+                          "float32_document_accuracy": ref_acc.get("document", 0.0),
+                          "answers_equal_float32": round(
+                              sum(a == b for a, b in zip(cached, reference)) / len(items), 4),
+                          "float32_seconds_with_caching": round(reference_s, 2)}
     return {
+        "dtype": dtype,
         "scene_accuracy": acc.get("scene", 0.0),
         "document_accuracy": acc.get("document", 0.0),
         "scene_questions": scenes,
@@ -71,6 +88,7 @@ def evaluate(model: Path, scenes: int, documents: int, seed: int = EVAL_SEED) ->
         "seconds_without_caching": round(plain_s, 2),
         "encoder_calls": stats.get("encoder_calls", 0),
         "by_kind": {k: v for k, v in acc.items() if "/" in k},
+        **versus_float32,
     }
 
 
@@ -80,9 +98,10 @@ def main() -> None:
     parser.add_argument("--scenes", type=int, default=500)
     parser.add_argument("--documents", type=int, default=200)
     parser.add_argument("--seed", type=int, default=EVAL_SEED)
+    parser.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16 (fast)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = evaluate(args.model, args.scenes, args.documents, args.seed)
+    result = evaluate(args.model, args.scenes, args.documents, args.seed, args.dtype)
     if args.json:
         print(json.dumps(result))
     else:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mmkv.bench import __main__ as bench_main
+from mmkv.bench import llama_cpp_peer
 
 ROOT = Path(__file__).parent.parent
 
@@ -28,12 +29,38 @@ def test_cache_bench_evicts_everything_it_cached():
     assert result["cached_blocks"] == result["evicted_blocks"] == 6 * 4 + 60 + 2 * (512 - 64) // 16
 
 
+TINY_PREFIX = ("--q", "5", "--a", "4", "--block-size", "4", "--hidden-size", "64", "--num-layers", "2",
+               "--repeats", "1", "--peers", "llama.cpp")
+
+
+def assert_llama_cpp(result: dict, cells: list[dict]) -> None:
+    """llama.cpp ran and agreed with mmkv where `make bench-peers` installed it; else the
+    benchmark says what is missing."""
+    missing = llama_cpp_peer.available()
+    if missing is None:
+        for cell in cells:
+            done, total = cell.split("/")
+            assert done == total, cell
+    else:
+        assert result["llama_cpp"] == missing
+
+
 def test_prefix_bench_computes_each_unique_token_once():
-    result = bench("prefix", "--n", "3", "--p", "40", "--q", "5", "--a", "4", "--block-size", "4",
-                   "--hidden-size", "64", "--num-layers", "2")
+    result = bench("prefix", "--n", "3", "--p", "40", *TINY_PREFIX)
     assert result["outputs_equal"] is True
     assert result["computed_prefill_tokens"] == result["unique_tokens"] == 40 + 3 * 5
     assert result["kv_bytes_peak"] <= result["kv_peak_goal_bytes"]
+    assert result["mmkv_bf16_seconds"] > 0 and result["bf16_sequences_equal_fp32"].endswith("/3")
+    assert_llama_cpp(result, [result.get("llama_cpp_f32_sequences_equal_mmkv_fp32", "")])
+
+
+def test_prefix_bench_sweep_charts_every_cell(tmp_path):
+    result = bench("prefix", "--sweep", "--sweep-n", "2", "--sweep-p", "20,40",
+                   "--chart", str(tmp_path / "scaling.png"), *TINY_PREFIX)
+    assert result["outputs_equal"] is True and set(result["sweep"]) == {"n2_p20", "n2_p40"}
+    assert all(cell["outputs_equal_hf"] for cell in result["sweep"].values())
+    assert_llama_cpp(result, [c.get("llama_cpp_sequences_equal", "") for c in result["sweep"].values()])
+    assert (tmp_path / "scaling.png").stat().st_size > 0
 
 
 def test_image_qa_bench_encodes_each_image_once():

@@ -31,6 +31,15 @@ def test_bundled_model_reaches_its_accuracy_identically_with_caching_and_specula
     assert result["document_accuracy"] >= 0.9, result
 
 
+def test_bundled_model_answers_the_same_in_bfloat16():
+    """The fast mode on the trained model: held-out answers (30 scene and 30 document questions)
+    agree with float32's and the accuracy stays within one question of it."""
+    result = evaluate(BUNDLED_MODEL, scenes=30, documents=30, seed=321, dtype="bfloat16")
+    assert result["answers_equal_float32"] >= 0.95, result
+    for task in ("scene", "document"):
+        assert result[f"{task}_accuracy"] >= result[f"float32_{task}_accuracy"] - 1 / 30, result
+
+
 def test_training_script_smoke(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "examples" / "train_tiny.py"), "--out",
                     str(tmp_path), "--smoke"], check=True, capture_output=True, timeout=300,

@@ -4,7 +4,9 @@ A random Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, vocab 8000, fp32) ans
 questions of ``--q`` tokens that all follow the same ``--p``-token prefix, ``--a`` greedy tokens
 each (EOS ignored). In the same run and on the same weights: mmkv (one ``generate`` call, cold
 cache), mmkv without cascade attention, transformers' batched ``generate`` (all prompts padded into
-one batch) and sequential ``generate`` (one prompt at a time). Outputs must be equal.
+one batch) and sequential ``generate`` (one prompt at a time). Outputs must be equal. On the CPU
+in float32 it also times mmkv in bfloat16 and, with ``--peers llama.cpp``, llama.cpp on the same
+weights (GGUF f32 and f16; see ``llama_cpp_peer``). Timings are the best of ``--repeats`` runs.
 ``--device cuda`` runs both sides on the GPU (in ``--dtype``, mmkv on ``--attention-backend``).
 """
 
@@ -19,8 +21,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mmkv import Engine, SamplingParams
-from mmkv.bench import timed
+from mmkv.bench import llama_cpp_peer, timed
 from mmkv.bench.random_models import BENCH_LLAMA, save_random_llama, text_size
+
+
+SWEEP_N = "4,16,64"
+SWEEP_P = "300,1200,4800"
+HF_SWEEP_TOKENS = 20_000  # transformers' padded batch attends with a dense mask: skip beyond this
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="text model width (the figures in the README use the default)")
     p.add_argument("--num-layers", type=int, default=BENCH_LLAMA["num_hidden_layers"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs of mmkv, transformers batched and each peer; the fastest counts")
+    p.add_argument("--peers", default="", help="also time llama.cpp (`make bench-peers` installs it)")
+    p.add_argument("--sweep", action="store_true",
+                   help="instead: seconds for every N of --sweep-n questions and P of --sweep-p "
+                        "prefix tokens, mmkv against transformers batched (and llama.cpp), charted")
+    p.add_argument("--sweep-n", default=SWEEP_N)
+    p.add_argument("--sweep-p", default=SWEEP_P)
+    p.add_argument("--chart", type=Path, default=Path("prefix_scaling.png"))
     add_device_arguments(p)
 
 
@@ -48,12 +64,25 @@ def unique_prefixes(prompts: list[list[int]]) -> int:
 
 
 def run_mmkv(model_dir: Path, prompts, params, args: argparse.Namespace, **options):
-    engine = Engine(model_dir, kv_cache_memory="512MiB", host_kv_memory="64MiB",
-                    block_size=args.block_size, device=args.device, dtype=args.dtype,
-                    attention_backend=args.attention_backend, **options)
-    engine.generate([[7, 7, 7]], SamplingParams(max_tokens=2))  # warm-up, shares nothing
-    outs, seconds = timed(lambda: engine.generate(prompts, params))
-    return [o.token_ids for o in outs], seconds, engine
+    """mmkv's outputs, its best time of ``--repeats`` runs (a fresh engine, so a cold cache, each
+    time) and the last engine."""
+    options = {"dtype": args.dtype, **options}
+    best = None
+    for _ in range(args.repeats):
+        engine = Engine(model_dir, kv_cache_memory="512MiB", host_kv_memory="64MiB",
+                        block_size=args.block_size, device=args.device,
+                        attention_backend=args.attention_backend, **options)
+        engine.generate([[7, 7, 7]], SamplingParams(max_tokens=2))  # warm-up, shares nothing
+        outs, seconds = timed(lambda: engine.generate(prompts, params))
+        if best is None or seconds < best[1]:
+            best = [o.token_ids for o in outs], seconds
+    return best[0], best[1], engine
+
+
+def best_of(repeats: int, fn):
+    """``fn()``'s result and its fastest time over ``repeats`` runs."""
+    runs = [timed(fn) for _ in range(repeats)]
+    return runs[-1][0], min(seconds for _, seconds in runs)
 
 
 @torch.inference_mode()
@@ -70,7 +99,10 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> list[list[i
 
 
 def run(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(torch.get_num_threads())
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
+    if args.sweep:
+        return sweep(args)
     rng = np.random.default_rng(args.seed)
     prefix = rng.integers(0, 8000, size=args.p).tolist()
     prompts = [prefix + rng.integers(0, 8000, size=args.q).tolist() for _ in range(args.n)]
@@ -85,8 +117,11 @@ def run(args: argparse.Namespace) -> dict:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, args.dtype)).to(args.device).eval()
         hf_generate(model, [[7, 7, 7]], 2)  # warm-up
-        batched, batched_s = timed(lambda: hf_generate(model, prompts, args.a))
+        batched, batched_s = best_of(args.repeats, lambda: hf_generate(model, prompts, args.a))
         sequential, sequential_s = timed(lambda: [hf_generate(model, [p], args.a)[0] for p in prompts])
+        result = {}
+        if args.device == "cpu" and args.dtype == "float32":
+            result.update(bfloat16_and_peers(model_dir, prefix, prompts, params, ours, mmkv_s, args))
     stats = engine.stats()
     bytes_per_block = engine.kv.bytes_per_block
     unique = unique_prefixes(prompts)
@@ -95,6 +130,7 @@ def run(args: argparse.Namespace) -> dict:
         "speedup_vs_hf_batched": round(batched_s / mmkv_s, 2),
         "speedup_vs_hf_sequential": round(sequential_s / mmkv_s, 2),
         "outputs_equal": ours == batched == sequential == no_cascade and single == sequential[:1],
+        **result,
         "computed_prefill_tokens": stats["computed_prefill_tokens"] - 3,  # minus the warm-up
         "unique_tokens": unique,
         "kv_bytes_peak": stats["peak_kv_bytes"],
@@ -106,6 +142,108 @@ def run(args: argparse.Namespace) -> dict:
         "mmkv_no_cascade_seconds": round(no_cascade_s, 3),
         "hf_batched_seconds": round(batched_s, 3),
         "hf_sequential_seconds": round(sequential_s, 3),
-        "n": args.n, "p": args.p, "q": args.q, "a": args.a,
+        "n": args.n, "p": args.p, "q": args.q, "a": args.a, "repeats": args.repeats,
         "device": args.device, "dtype": args.dtype, "attention_backend": engine.attention.name,
     }
+
+
+def bfloat16_and_peers(model_dir: Path, prefix: list[int], prompts: list[list[int]], params,
+                       ours: list[list[int]], mmkv_s: float, args: argparse.Namespace) -> dict:
+    """mmkv in bfloat16, and llama.cpp (f32 and f16 weights) when ``--peers llama.cpp``: seconds,
+    speedups and how many sequences agree token for token with mmkv's float32 output (random
+    weights have near-ties, which half precision flips)."""
+    bf16, bf16_s, _ = run_mmkv(model_dir, prompts, params, args, dtype="bfloat16")
+    result = {"mmkv_bf16_seconds": round(bf16_s, 3),
+              "bf16_speedup_vs_fp32": round(mmkv_s / bf16_s, 2),
+              "bf16_sequences_equal_fp32": agreement(bf16, ours)}
+    if "llama.cpp" not in args.peers:
+        return result
+    missing = llama_cpp_peer.available()
+    if missing is not None:
+        return {**result, "llama_cpp": missing}
+    ggufs = llama_cpp_peer.convert(model_dir, model_dir.parent / "gguf", ["f32", "f16"])
+    suffixes = [p[len(prefix):] for p in prompts]
+    for outtype, mine, mine_s, label in (("f32", ours, mmkv_s, "speedup_vs_llama_cpp_f32"),
+                                         ("f16", bf16, bf16_s, "speedup_bf16_vs_llama_cpp_f16")):
+        peer = llama_cpp_peer.LlamaCpp(ggufs[outtype], len(prompts), max(map(len, prompts)) + args.a)
+        peer.generate_shared_prefix(prefix[:8], suffixes[:2], 2)  # warm-up
+        theirs, theirs_s = best_of(args.repeats, lambda: peer.generate_shared_prefix(prefix, suffixes,
+                                                                                     args.a))
+        peer.close()
+        result.update({f"llama_cpp_{outtype}_seconds": round(theirs_s, 3),
+                       label: round(theirs_s / mine_s, 2),
+                       f"llama_cpp_{outtype}_sequences_equal_mmkv_fp32": agreement(theirs, ours)})
+    return result
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> str:
+    return f"{sum(a == b for a, b in zip(outputs, reference))}/{len(reference)}"
+
+
+def sweep(args: argparse.Namespace) -> dict:
+    """How cost grows with the work: every (N, P) cell once per system, drawn to ``args.chart``."""
+    cells: dict[str, dict[str, float | str]] = {}
+    sizes_n = [int(n) for n in args.sweep_n.split(",")]
+    sizes_p = [int(p) for p in args.sweep_p.split(",")]
+    params = SamplingParams(max_tokens=args.a, ignore_eos=True)
+    missing = llama_cpp_peer.available() if "llama.cpp" in args.peers else "not asked for"
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = save_random_llama(Path(tmp) / "llama", seed=args.seed,
+                                      **text_size(args.hidden_size, args.num_layers))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf_generate(model, [[7, 7, 7]], 2)
+        gguf = None
+        if missing is None:
+            gguf = llama_cpp_peer.convert(model_dir, Path(tmp) / "gguf", ["f32"])["f32"]
+        for n in sizes_n:
+            for p in sizes_p:
+                rng = np.random.default_rng(args.seed)
+                prefix = rng.integers(0, 8000, size=p).tolist()
+                prompts = [prefix + rng.integers(0, 8000, size=args.q).tolist() for _ in range(n)]
+                ours, mmkv_s, _ = run_mmkv(model_dir, prompts, params, args)
+                cell: dict[str, float | str] = {"mmkv": round(mmkv_s, 3)}
+                if n * (p + args.q) <= HF_SWEEP_TOKENS:
+                    theirs, hf_s = best_of(args.repeats, lambda: hf_generate(model, prompts, args.a))
+                    cell["hf_batched"] = round(hf_s, 3)
+                    cell["outputs_equal_hf"] = theirs == ours
+                if gguf is not None:
+                    peer = llama_cpp_peer.LlamaCpp(gguf, n, p + args.q + args.a)
+                    suffixes = [q[p:] for q in prompts]
+                    theirs, peer_s = best_of(args.repeats, lambda: peer.generate_shared_prefix(
+                        prefix, suffixes, args.a))
+                    peer.close()
+                    cell["llama_cpp_f32"] = round(peer_s, 3)
+                    cell["llama_cpp_sequences_equal"] = agreement(theirs, ours)
+                cells[f"n{n}_p{p}"] = cell
+    _chart(cells, sizes_n, sizes_p, args)
+    equal = [c["outputs_equal_hf"] for c in cells.values() if "outputs_equal_hf" in c]
+    return {"sweep": cells, "outputs_equal": all(equal), "llama_cpp": missing or "timed",
+            "hf_skipped_beyond_tokens": HF_SWEEP_TOKENS, "q": args.q, "a": args.a,
+            "repeats": args.repeats}
+
+
+def _chart(cells: dict, sizes_n: list[int], sizes_p: list[int], args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sizes_n), figsize=(4 * len(sizes_n), 3.6), sharey=True,
+                             squeeze=False)
+    axes = axes[0]
+    for ax, n in zip(axes, sizes_n):
+        for system, style in (("mmkv", "o-"), ("hf_batched", "s--"), ("llama_cpp_f32", "^:")):
+            points = [(p, cells[f"n{n}_p{p}"][system]) for p in sizes_p if system in cells[f"n{n}_p{p}"]]
+            if points:
+                ax.plot(*zip(*points), style, label=system.replace("_", " "))
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(sizes_p, [str(p) for p in sizes_p])
+        ax.set_title(f"{n} questions")
+        ax.set_xlabel("shared prefix tokens")
+    axes[0].set_ylabel("seconds")
+    axes[0].legend()
+    fig.suptitle(f"shared-prefix Q&A, random Llama (hidden {args.hidden_size}, {args.num_layers} "
+                 f"layers), fp32, {args.q}-token questions, {args.a} answer tokens")
+    fig.tight_layout()
+    fig.savefig(args.chart, dpi=100)

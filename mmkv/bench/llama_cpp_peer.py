@@ -1,0 +1,133 @@
+"""llama.cpp as a peer: the same checkpoint converted to GGUF by llama.cpp's own converter, run
+through llama-cpp-python's low-level API in the mode that suits shared-prefix work best.
+
+That mode: the shared prefix is decoded once as sequence 0 and copied to every other sequence
+(``llama_memory_seq_cp``), each sequence's own suffix is decoded in one batch, then every
+sequence decodes greedily in one batch per step; ``n_threads`` is the machine's cores. Outputs
+are argmax token ids, comparable with mmkv's greedy output.
+
+``make bench-peers`` installs llama-cpp-python (it compiles llama.cpp), gguf and sentencepiece, and
+puts llama.cpp's converter (``convert_hf_to_gguf.py`` and its modules, from the llama-cpp-python
+source distribution) under ``.peers/llama.cpp``. Without them ``available()`` says what is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+CONVERTER = Path(__file__).resolve().parents[2] / ".peers" / "llama.cpp" / "convert_hf_to_gguf.py"
+
+
+def available() -> str | None:
+    """None when the peer can run, else why not."""
+    try:
+        import llama_cpp  # noqa: F401
+        import sentencepiece  # noqa: F401
+    except ImportError as err:
+        return f"llama.cpp peer not installed ({err.name}): run `make bench-peers`"
+    if not CONVERTER.is_file():
+        return f"llama.cpp's converter is missing ({CONVERTER}): run `make bench-peers`"
+    return None
+
+
+def convert(model_dir: Path, work: Path, outtypes: list[str]) -> dict[str, Path]:
+    """GGUF files of the Hugging Face checkpoint ``model_dir``, one per ``outtype`` (``f32``,
+    ``f16``), written under ``work``. llama.cpp's converter needs a tokenizer to write the GGUF
+    vocabulary, so a small SentencePiece model goes beside links to the checkpoint's files (ids
+    past its pieces become placeholders: the benchmark feeds token ids, never text)."""
+    import sentencepiece as spm
+
+    source = work / "checkpoint"
+    source.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.suffix in (".json", ".safetensors") and not (source / f.name).exists():
+            (source / f.name).symlink_to(f.resolve())
+    text = (" ".join(str(i * j % 997) for j in range(64)) for i in range(400))
+    spm.SentencePieceTrainer.train(sentence_iterator=text, model_prefix=str(source / "tokenizer"),
+                                   vocab_size=400, model_type="bpe", minloglevel=2,
+                                   byte_fallback=True, hard_vocab_limit=False)
+    out = {}
+    for outtype in outtypes:
+        out[outtype] = work / f"model-{outtype}.gguf"
+        subprocess.run([sys.executable, str(CONVERTER), str(source), "--outfile", str(out[outtype]),
+                        "--outtype", outtype], check=True, capture_output=True, text=True)
+    return out
+
+
+class LlamaCpp:
+    """One GGUF model in a llama.cpp context sized for ``num_seqs`` sequences of ``max_len``."""
+
+    def __init__(self, gguf: Path, num_seqs: int, max_len: int, threads: int | None = None) -> None:
+        import llama_cpp as L
+
+        self.L = L
+        L.llama_backend_init()
+        params = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(str(gguf).encode(), params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        ctx = L.llama_context_default_params()
+        ctx.n_ctx = num_seqs * max_len
+        ctx.n_batch = ctx.n_ubatch = max(512, num_seqs * 32)
+        ctx.n_seq_max = num_seqs
+        ctx.kv_unified = True
+        threads = threads or os.cpu_count()
+        ctx.n_threads = ctx.n_threads_batch = threads
+        self.ctx = L.llama_init_from_model(self.model, ctx)
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.batch = L.llama_batch_init(ctx.n_batch, 0, num_seqs)
+        self.n_batch = ctx.n_batch
+
+    def close(self) -> None:
+        L = self.L
+        L.llama_batch_free(self.batch)
+        L.llama_free(self.ctx)
+        L.llama_model_free(self.model)
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+        """Decode ``(token, position, sequence, wants_logits)`` items in batches of ``n_batch``;
+        the logits of the items that want them, in order."""
+        L, b = self.L, self.batch
+        out = []
+        for start in range(0, len(items), self.n_batch):
+            chunk = items[start:start + self.n_batch]
+            b.n_tokens = len(chunk)
+            for i, (token, pos, seq, logits) in enumerate(chunk):
+                b.token[i], b.pos[i], b.n_seq_id[i] = token, pos, 1
+                b.seq_id[i][0] = seq
+                b.logits[i] = logits
+            if L.llama_decode(self.ctx, b) != 0:
+                raise RuntimeError("llama_decode failed")
+            for i, (_, _, _, logits) in enumerate(chunk):
+                if logits:
+                    row = L.llama_get_logits_ith(self.ctx, i)
+                    out.append(np.ctypeslib.as_array(row, shape=(self.n_vocab,)).copy())
+        return out
+
+    def generate_shared_prefix(self, prefix: list[int], suffixes: list[list[int]],
+                               new_tokens: int) -> list[list[int]]:
+        """Greedy continuations of ``prefix + suffix`` for every suffix."""
+        L = self.L
+        memory = L.llama_get_memory(self.ctx)
+        L.llama_memory_clear(memory, True)
+        self._decode([(t, p, 0, False) for p, t in enumerate(prefix)])
+        for s in range(1, len(suffixes)):
+            L.llama_memory_seq_cp(memory, 0, s, -1, -1)
+        n = len(prefix)
+        items = [(t, n + i, s, i == len(suf) - 1) for s, suf in enumerate(suffixes) for i, t in enumerate(suf)]
+        logits = self._decode(items)
+        positions = [n + len(suf) for suf in suffixes]
+        outs: list[list[int]] = [[] for _ in suffixes]
+        for step in range(new_tokens):
+            tokens = [int(row.argmax()) for row in logits]
+            for o, t in zip(outs, tokens):
+                o.append(t)
+            if step == new_tokens - 1:
+                break
+            logits = self._decode([(t, positions[s] + step, s, True) for s, t in enumerate(tokens)])
+        return outs
