@@ -17,7 +17,8 @@ from cache import KVCache, parse_bytes
 from mmkv.attention.backend import AttentionBackend, choose_backend
 from mmkv.attention.metadata import CrossSequence, plan_batch, plan_cross
 from mmkv.image_kv import CrossAttentionKV
-from mmkv.models import StepContext, load_model, resolve_device
+from mmkv.models import MRopePositions, StepContext, load_model, resolve_device
+from mmkv.models.mrope import step_positions
 from mmkv.outputs import CompletionOutput, RequestOutput
 from mmkv.sampler import sample, token_logprob
 from mmkv.sampling_params import SamplingParams
@@ -42,6 +43,7 @@ class _Prepared:
     images: list[SeqImage]
     params: SamplingParams
     namespace: bytes
+    rope: MRopePositions | None
 
 
 class Engine:
@@ -114,7 +116,7 @@ class Engine:
         seq = Sequence(seq_id=request_id, request_id=request_id, index=0, token_ids=req.token_ids,
                        prompt_len=len(req.token_ids), params=params, arrival=next(self._arrivals),
                        namespace=req.namespace, generator=generator, images=req.images,
-                       logprobs=None if params.logprobs is None else [])
+                       rope=req.rope, logprobs=None if params.logprobs is None else [])
         self._requests[request_id] = [seq]
         self._counters["prompt_tokens"] += len(req.token_ids)
         self.scheduler.add(seq)
@@ -138,18 +140,23 @@ class Engine:
         if images or (self.model.image_token_id is not None and self.model.image_token_id in token_ids):
             token_ids, seq_images = self._place_images(token_ids, images, label)
         self._check_fits(token_ids, params, label)
+        try:
+            rope = self.model.prompt_positions(token_ids, seq_images)
+        except ValueError as err:
+            raise ValueError(f"{label}: {err}") from err
         namespace = (cache_salt or "").encode()
         if self.model.cross_layers and seq_images:  # text KV depends on the images attended
             namespace += b"|images:" + ",".join(str(i.image.uid) for i in seq_images).encode()
-        return _Prepared(token_ids, seq_images, params, namespace)
+        return _Prepared(token_ids, seq_images, params, namespace, rope)
 
     def _tokenize(self, prompt: str | list[int], chat: bool, label: str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{label}: this model directory has no tokenizer: pass token ids")
             if self.model.image_token_id is not None:
-                token = self.tokenizer.convert_ids_to_tokens(self.model.image_token_id)
-                prompt = prompt.replace(IMAGE_PLACEHOLDER, token)
+                markup = (self.model.image_markup
+                          or self.tokenizer.convert_ids_to_tokens(self.model.image_token_id))
+                prompt = prompt.replace(IMAGE_PLACEHOLDER, markup)
             if chat:
                 ids = self.render_chat([{"role": "user", "content": prompt}])
             else:
@@ -277,6 +284,9 @@ class Engine:
         meta = plan_batch([s.table.blocks for s in seqs], q_lens, kv_lens, self.kv.block_size,
                           self.device, cascade=self.cascade and self.model.cascade_allowed(max(kv_lens)))
         step = StepContext(meta, self.model.layer_views(self.kv.storage.stores[0]), self.attention)
+        if seqs[0].rope is not None:
+            rope = step_positions([s.rope for s in seqs], q_lens, kv_lens)
+            step.rope_positions = torch.from_numpy(rope).to(self.device)
         if images:
             self._add_image_inputs(step, seqs, q_lens, kv_lens, meta.qo_indptr[:-1].tolist())
         return step
@@ -438,7 +448,8 @@ class Engine:
                              num_cached_blocks=parent.num_cached_blocks, admitted=True,
                              cached_tokens=parent.cached_tokens, images=parent.images,
                              logprobs=None if parent.logprobs is None else list(parent.logprobs),
-                             image_tables=[self.kv.fork(t) for t in parent.image_tables])
+                             image_tables=[self.kv.fork(t) for t in parent.image_tables],
+                             rope=parent.rope)
             self.scheduler.running.append(child)
             self._requests[parent.request_id].append(child)
             children.append(child)
@@ -563,16 +574,22 @@ class Engine:
         """Ask every question about every image in one batched call.
 
         One image gives a list of outputs (one per question); a list of images gives one such list
-        per image. Questions are put in the model's question template around an ``<image>``.
+        per image. Questions are put in the model's chat template after the image (models that
+        chat: Qwen-VL) or in its question template around an ``<image>``.
         """
         single = not isinstance(images, (list, tuple))
         image_list = [images] if single else list(images)
-        template = self.model.question_template
-        prompts = [{"prompt": template.format(question=q), "images": [img]}
-                   for img in image_list for q in questions]
+        texts = [self._question_prompt(q) for q in questions]
+        prompts = [{"prompt": text, "images": [img]} for img in image_list for text in texts]
         outs = self.generate(prompts, params, errors=errors, **options)
         per_image = [outs[i * len(questions):(i + 1) * len(questions)] for i in range(len(image_list))]
         return per_image[0] if single else per_image
+
+    def _question_prompt(self, question: str) -> str | list[int]:
+        if not self.model.chat_questions:
+            return self.model.question_template.format(question=question)
+        return self.render_chat([{"role": "user", "content": [{"type": "image"},
+                                                              {"type": "text", "text": question}]}])
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                cache_salt: str | None = None, chat: bool = False) -> Iterator[RequestOutput]:

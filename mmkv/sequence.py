@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from cache import BlockTable, ImageSpan, SwappedTable, make_keys
-from mmkv.models import ImagePlacement
+from mmkv.models import ImagePlacement, MRopePositions
 from mmkv.outputs import TokenLogprob
 from mmkv.sampling_params import SamplingParams
 from vision import PreparedImage
@@ -65,6 +65,7 @@ class Sequence:
     text: str = ""
     images: list[SeqImage] = field(default_factory=list)
     image_tables: list[BlockTable] = field(default_factory=list)  # cross-attention K/V blocks
+    rope: MRopePositions | None = None  # M-RoPE models: positions fixed at submission
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
     _array: np.ndarray = field(default=None, repr=False)
 

@@ -139,7 +139,7 @@ class Speculator(ABC):
         if self._previous is not None and self._previous[0] == key:
             last = self._previous[1]
             batch = next_position(last.batch)
-            step = (StepContext(batch, last.kv_layers, last.backend) if batch is not None
+            step = (last.next_position(batch) if batch is not None
                     else self.context(seqs, [1] * len(seqs), kv_lens, images=False))
             step.cross = last.cross
         else:

@@ -71,6 +71,18 @@ def test_image_qa_bench_encodes_each_image_once():
     assert result["xattn_kv_bytes"] == result["xattn_kv_bytes_unique_bound"]
 
 
+def test_image_qa_bench_on_qwen2_5_vl_computes_each_image_once():
+    result = bench("image-qa", "--family", "qwen2_5_vl", "--i", "2", "--q", "3", "--a", "4",
+                   "--question-tokens", "5", "--hidden-size", "64", "--num-layers", "2",
+                   "--image-size", "112", "--repeats", "2")
+    assert result["outputs_equal"] is True
+    assert result["encoder_calls"] == result["images"] == 2
+    # A prompt is <|vision_start|>, 16 image tokens, <|vision_end|> and 5 question tokens; each
+    # image's first question computes all 23, the two others read the first block (16) from it.
+    assert result["prompt_tokens"] == 2 * 3 * 23
+    assert result["computed_prefill_tokens"] == 2 * (23 + 2 * (23 - 16))
+
+
 def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     result = bench("spec", "--requests", "1", "--sweep", "1,2", "--chart", str(tmp_path / "sweep.png"),
                    "--adaptive-threshold", "0.4", "--repeats", "1")

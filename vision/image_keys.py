@@ -28,7 +28,7 @@ def image_key(inputs: Inputs, identity: str) -> bytes:
     for name in sorted(inputs):
         t = inputs[name].detach().contiguous().cpu()
         h.update(f"|{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")  # hashed in place, no copy
     return h.digest()
 
 

@@ -13,8 +13,10 @@ from mmkv.models.causal_lm import TEXT_FAMILIES, load_causal_lm
 from mmkv.models.cross_attention import CrossAttentionAdapter, load_mllama
 from mmkv.models.llava import LlavaAdapter, load_llava
 from mmkv.models.mmkv_vlm import MODEL_TYPE as MMKV_VLM, MmkvVLM, load_mmkv_vlm
+from mmkv.models.mrope import MRopePositions
+from mmkv.models.qwen_vl import QWEN_VL_FAMILIES, QwenVLAdapter, load_qwen_vl
 
-FAMILIES = (*TEXT_FAMILIES, "llava", "mllama", MMKV_VLM)
+FAMILIES = (*TEXT_FAMILIES, "llava", "mllama", *QWEN_VL_FAMILIES, MMKV_VLM)
 
 
 def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype) -> ModelAdapter:
@@ -30,11 +32,13 @@ def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype)
         return load_llava(path, device, dtype)
     if family == "mllama":
         return load_mllama(path, device, dtype)
+    if family in QWEN_VL_FAMILIES:
+        return load_qwen_vl(path, family, device, dtype)
     if family == MMKV_VLM:
         return load_mmkv_vlm(path, raw, device, dtype)
     raise ModelLoadError(f"model type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
 
 
 __all__ = ["ATTENTION_NAME", "CrossAttentionAdapter", "FAMILIES", "ImagePlacement",
-           "LlavaAdapter", "ModelAdapter", "ModelLoadError", "MmkvVLM", "StepContext",
-           "load_model", "resolve_device"]
+           "LlavaAdapter", "ModelAdapter", "ModelLoadError", "MmkvVLM", "MRopePositions",
+           "QwenVLAdapter", "StepContext", "load_model", "resolve_device"]

@@ -24,6 +24,7 @@ from cache import KVLayout
 from mmkv.attention.backend import AttentionBackend
 from mmkv.attention.metadata import CrossBatch, PagedBatch
 from mmkv.models.fused_layer import FusedDecoderLayer
+from mmkv.models.mrope import MRopePositions
 from vision import PreparedImage, VisionPipeline
 
 ATTENTION_NAME = "mmkv_paged"
@@ -44,6 +45,14 @@ class StepContext:
     image_embeds: torch.Tensor | None = None
     cross: CrossBatch | None = None
     plans: dict = field(default_factory=dict)  # the backend's work prepared once for this step
+    rope_positions: torch.Tensor | None = None  # long [3, T]: M-RoPE (T, H, W) positions
+
+    def next_position(self, batch: PagedBatch) -> "StepContext":
+        """The context of the pass that computes each sequence's next (generated) position:
+        ``batch`` is that pass's metadata; M-RoPE positions advance by one on every axis."""
+        rope = self.rope_positions
+        return StepContext(batch, self.kv_layers, self.backend,
+                           rope_positions=None if rope is None else rope + 1)
 
 
 def _paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -136,6 +145,8 @@ class ModelAdapter:
     vision: VisionPipeline | None = None
     image_token_id: int | None = None
     question_template: str = "<image>{question}"
+    image_markup: str | None = None  # the text "<image>" stands for (default: the image token)
+    chat_questions: bool = False  # ask() puts each question in the model's chat template
     early_exit_layer: int | None = None  # layers trained to draft through the final head
 
     def __post_init__(self) -> None:
@@ -200,6 +211,12 @@ class ModelAdapter:
     def placement(self, image: PreparedImage) -> ImagePlacement:
         raise ValueError("this model does not take images")
 
+    def prompt_positions(self, token_ids: list[int], images: list[Any]) -> MRopePositions | None:
+        """M-RoPE positions of a whole prompt whose images (``SeqImage``) are placed; None for
+        models whose positions are the token indices. Raises ``ValueError`` for a prompt the
+        model cannot position."""
+        return None
+
     def xattn_kv(self, embeddings: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per cross-attention layer, K and V ``[tokens, kv_heads, head_dim]`` of an image."""
         raise ValueError("this model has no cross-attention")
@@ -215,7 +232,8 @@ class ModelAdapter:
                    end: int | None = None) -> torch.Tensor:
         """Layers ``[start, end)`` over packed hidden states ``[1, T, hidden]``."""
         positions = step.batch.positions[None]
-        rotary = self.rotary(hidden, positions, max(step.batch.kv_lens))
+        rope = positions if step.rope_positions is None else step.rope_positions
+        rotary = self.rotary(hidden, rope, max(step.batch.kv_lens))
         row_cos, row_sin = rotary[0][0, :, None], rotary[1][0, :, None]  # [T, 1, head_dim]
         for i in range(start, self.num_layers if end is None else end):
             layer = self.text_model.layers[i]
@@ -236,17 +254,26 @@ class ModelAdapter:
         read from a table the module computed for the positions so far: the same values, one
         lookup instead of a cos and a sin per step. The table grows by doubling (at least 1024
         positions), so a long-context model pays for the lengths it serves, not its maximum."""
+        table = self.rotary_table(hidden, longest)
+        if table is None:
+            return self.text_model.rotary_emb(hidden, position_ids=positions)
+        index = positions[0]
+        return table[0].index_select(0, index)[None], table[1].index_select(0, index)[None]
+
+    def rotary_table(self, hidden: torch.Tensor,
+                     longest: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary module's cos and sin ``[positions, head_dim]`` for at least ``longest``
+        positions, or None where they depend on more than the position (dynamic RoPE types)."""
         module = self.text_model.rotary_emb
         rope_type = getattr(module, "rope_type", "default")
         if "dynamic" in rope_type or rope_type == "longrope":
-            return module(hidden, position_ids=positions)
+            return None
         table = self._rotary_table
         if table is None or table[0].dtype != hidden.dtype or table[0].shape[0] < longest:
             size = min(self.max_model_len, max(1024, 1 << (longest - 1).bit_length()))
             every = torch.arange(size, device=hidden.device)[None]
             table = self._rotary_table = tuple(t[0] for t in module(hidden, position_ids=every))
-        index = positions[0]
-        return table[0].index_select(0, index)[None], table[1].index_select(0, index)[None]
+        return table
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on rows ``[n, hidden]``; float32 logits."""

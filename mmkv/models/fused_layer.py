@@ -1,8 +1,9 @@
 """mmkv's own forward for Llama-style decoder layers, over transformers' parameters.
 
-Llama, Mistral, Qwen2 and Mllama's self-attention layers share one structure: RMSNorm, Q/K/V
-projections, rotary embedding, attention, output projection and residual; RMSNorm, gate and up
-projections, ``act(gate) * up``, down projection and residual. transformers runs it as a tree of
+Llama, Mistral, Qwen2, Qwen2-VL, Qwen2.5-VL and Mllama's self-attention layers share one
+structure: RMSNorm, Q/K/V projections, rotary embedding (per row: M-RoPE's cos/sin are rows like
+any other), attention, output projection and residual; RMSNorm, gate and up projections,
+``act(gate) * up``, down projection and residual. transformers runs it as a tree of
 modules with a batch dimension, transposes to ``[batch, heads, tokens, dim]`` and back, and about
 fifteen Python calls per layer. ``FusedDecoderLayer`` runs the same operations on packed rows
 ``[tokens, hidden]`` with one GEMM for Q, K and V and one for gate and up: their weights are
@@ -11,7 +12,7 @@ second copy; the modules still work).
 
 Invariant: in float32 the output equals the transformers module's bit for bit (each operation is
 the module's, in its order; a concatenated weight gives each output the same dot product), which
-``tests/test_fused_layer.py`` checks on every family.
+``tests/test_fused_layer.py`` (for Qwen-VL ``tests/test_qwen_vl.py``) checks on every family.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from mmkv.models.base import StepContext
 
 SUPPORTED = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
-             "MllamaSelfAttentionDecoderLayer")
+             "MllamaSelfAttentionDecoderLayer", "Qwen2VLDecoderLayer", "Qwen2_5_VLDecoderLayer")
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
