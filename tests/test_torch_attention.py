@@ -50,19 +50,20 @@ def build(seqs, num_pages=64, seed=0):
 # The runner plans cascade only when no sliding window cuts into a sequence.
 @pytest.mark.parametrize("cascade, window", [(True, None), (False, None), (False, 5)])
 def test_mixed_batch_matches_dense(cascade, window):
-    seqs = [(13, 13, None, 0),  # a short prompt (batched with the decodes)
-            (40, 20, None, 0),  # a long prompt (attended alone)
+    seqs = [(13, 13, None, 0),  # a short prompt (batched in the bucket of 9-16 new tokens)
+            (90, 70, None, 0),  # a long prompt (more than SHORT_QUERY new tokens: attended alone)
             (19, 1, None, 0),  # decode, parent of a group
             (21, 1, 2, 16),  # decode sharing 4 full pages with seq 2
             (17, 1, 2, 16),  # decode sharing 4 pages; its last page is new
-            (22, 6, 2, 16),  # a speculative verification over a shared prefix
+            (22, 6, 2, 16),  # a speculative verification over a shared prefix (bucket 5-8)
             (19, 5, 2, 16),  # one whose new tokens start inside the pages it shares
             (9, 1, None, 0)]  # decode alone
     layer, tables, kvs, g = build(seqs)
     q_lens = [q for _, q, _, _ in seqs]
     kv_lens = [n for n, _, _, _ in seqs]
     batch = plan_batch(tables, q_lens, kv_lens, BS, torch.device("cpu"), cascade=cascade)
-    assert (len(batch.decode.groups) == 1) == cascade
+    assert batch.prefill == [1] and len(batch.decode) == 3
+    assert len(batch.cascade_groups) == (2 if cascade else 0)  # one per bucket: decodes, verifications
     # Old tokens already sit in the pages; new ones arrive through write_kv like in a forward step.
     for table, (n, q, _, _), (k, v) in zip(tables, seqs, kvs):
         for pos in range(n - q):
@@ -104,10 +105,12 @@ def test_metadata_is_flashinfer_format():
     assert batch.kv_last_page_len.tolist() == [2, 1]
     assert batch.positions.tolist() == [8, 9, 12]
     assert batch.write_blocks.tolist() == [9, 9, 6] and batch.write_offsets.tolist() == [0, 1, 0]
-    assert batch.prefill == [] and batch.decode.rows.tolist() == [[0, 1], [2, 2]]
-    assert batch.decode.positions.tolist() == [[8, 9], [12, 12]]
-    long = plan_batch([[7, 3, 9, 5, 6]], [SHORT_QUERY + 1], [SHORT_QUERY + 2], BS, torch.device("cpu"))
-    assert long.prefill == [0] and long.decode is None
+    one, two = batch.decode  # buckets of 1 and of 2 new tokens
+    assert batch.prefill == [] and one.rows.tolist() == [[2]] and two.rows.tolist() == [[0, 1]]
+    assert one.positions.tolist() == [[12]] and two.positions.tolist() == [[8, 9]]
+    long = plan_batch([list(range(SHORT_QUERY))], [SHORT_QUERY + 1], [SHORT_QUERY + 2], BS,
+                      torch.device("cpu"))
+    assert long.prefill == [0] and long.decode == []
 
 
 def _same_metadata(a, b) -> bool:

@@ -247,7 +247,7 @@ def _shared_plan(batch: PagedBatch, groups: list[CascadeGroup],
 
 def plan_self_attention(batch: PagedBatch, heads: Heads) -> SelfPlan:
     """How ``batch``'s self-attention runs for a model of ``heads``."""
-    groups = batch.decode.groups if batch.decode is not None else []
+    groups = batch.cascade_groups
     window_left = _window_left(heads.window, batch.kv_lens)
     if groups and window_left >= 0:
         raise ValueError("cascade plans need a window covering every sequence; plan without cascade")

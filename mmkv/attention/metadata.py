@@ -7,9 +7,11 @@ FlashInfer's wrappers take, on the device (for its K/V writes) and on the host (
 ``plan()`` calls); the torch backend reads the same arrays (plus host-side lengths, so it never
 synchronises with the device to learn a length).
 
-Sequences with at most ``SHORT_QUERY`` new tokens (decode steps, speculative verification) are
-planned to be attended together, their queries padded to the longest; longer ones (prompt chunks)
-one at a time.
+Sequences with at most ``SHORT_QUERY`` new tokens (decode steps, speculative verification, short
+prompt suffixes after a cached prefix) are planned to be attended together in buckets of similar
+query lengths (1, 2, 3-4, 5-8, ... 33-64 new tokens), each sequence's queries padded to its bucket's
+longest, so padding never more than doubles a bucket's queries; longer ones (prompt chunks) are
+attended one at a time.
 
 Cascade: short-query sequences whose page lists start with the same full pages, all before their
 first new token, form a group; the shared pages are attended once for the whole group and merged
@@ -19,11 +21,11 @@ attention).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-SHORT_QUERY = 16  # most new tokens of a sequence attended in the batched (decode) path
+SHORT_QUERY = 64  # most new tokens of a sequence attended in the batched (short-query) path
 
 
 @dataclass(slots=True)
@@ -48,15 +50,34 @@ class HostPages:
 
 @dataclass(slots=True)
 class DecodePlan:
-    """How the short-query sequences of a step are attended, batched. Queries are padded to the
-    longest by repeating a sequence's last one (same row, same position, so the same result)."""
+    """How one bucket of short-query sequences is attended, batched. Queries are padded to the
+    bucket's longest by repeating a sequence's last one (same row, same position, so the same
+    result). ``blocked`` (what no query may see: padding and later positions) is the same for every
+    layer, so it is built once per step."""
 
     rows: torch.Tensor  # long [d, m], packed token row of each sequence's queries
     pages: torch.Tensor  # long [d, max_pages], each sequence's pages after its shared ones (padded)
     lens: torch.Tensor  # long [d], KV tokens in those pages
     host_lens: list[int]  # the same, on the host
     positions: torch.Tensor  # long [d, m], absolute position of each query
+    key_positions: torch.Tensor  # long [d, L], absolute position of each slot of those pages
+    blocked: torch.Tensor  # bool [d, 1, m, 1, L], True where a query must not attend
     groups: list[CascadeGroup]
+    biases: dict = field(default_factory=dict)  # additive masks built for this step, by bias()
+
+    def bias(self, group_size: int, window: int | None) -> torch.Tensor:
+        """Additive mask (0 / -inf) ``[d, 1, m * group_size, L]`` for query rows laid out query-major
+        with ``group_size`` query heads per KV head, built once per step for each layout."""
+        key = (group_size, window)
+        if key not in self.biases:
+            blocked = self.blocked
+            if window is not None:
+                blocked = blocked | (self.key_positions[:, None, :]
+                                     <= self.positions[:, :, None] - window)[:, None, :, None, :]
+            d, _, m, _, length = blocked.shape
+            bias = torch.zeros((d, 1, m, group_size, length), device=blocked.device)
+            self.biases[key] = bias.masked_fill_(blocked, float("-inf")).view(d, 1, -1, length)
+        return self.biases[key]
 
 
 @dataclass(slots=True)
@@ -76,11 +97,15 @@ class PagedBatch:
     kv_lens: list[int]
     pages: list[torch.Tensor]  # long page ids per sequence (on the device)
     prefill: list[int]  # sequences with more than SHORT_QUERY new tokens, attended one at a time
-    decode: DecodePlan | None  # the others, attended together
+    decode: list[DecodePlan]  # the others, attended together per bucket of query lengths
 
     @property
     def num_tokens(self) -> int:
         return sum(self.q_lens)
+
+    @property
+    def cascade_groups(self) -> list[CascadeGroup]:
+        return [group for plan in self.decode for group in plan.groups]
 
 
 def _shared_full_pages(tables: list[list[int]], kv_lens: list[int], q_lens: list[int],
@@ -119,7 +144,10 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
 
     host = HostPages(*(torch.tensor(x, dtype=torch.int32) for x in (
         qo, kv, [p for pg in pages for p in pg], [(n - 1) % block_size + 1 for n in kv_lens])))
-    short = [i for i, q in enumerate(q_lens) if q <= SHORT_QUERY]
+    buckets: dict[int, list[int]] = {}
+    for i, q in enumerate(q_lens):
+        if q <= SHORT_QUERY:
+            buckets.setdefault((q - 1).bit_length(), []).append(i)
     return PagedBatch(
         block_size=block_size,
         qo_indptr=host.qo_indptr.to(device), kv_indptr=host.kv_indptr.to(device),
@@ -128,8 +156,8 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
         positions=i64(positions), write_blocks=i64(write_blocks), write_offsets=i64(write_offsets),
         q_lens=list(q_lens), kv_lens=list(kv_lens), pages=[i64(pg) for pg in pages],
         prefill=[i for i, q in enumerate(q_lens) if q > SHORT_QUERY],
-        decode=_plan_decode(short, pages, q_lens, kv_lens, qo, block_size, device, cascade)
-        if short else None,
+        decode=[_plan_decode(ids, pages, q_lens, kv_lens, qo, block_size, device, cascade)
+                for _, ids in sorted(buckets.items())],
     )
 
 
@@ -143,13 +171,24 @@ def next_position(batch: PagedBatch) -> PagedBatch | None:
     """
     if any(q != 1 for q in batch.q_lens) or any(n % batch.block_size == 0 for n in batch.kv_lens):
         return None
-    plan = batch.decode
-    lens = [n + 1 for n in plan.host_lens]
+    [plan] = batch.decode
+    lens, positions = plan.lens + 1, plan.positions + 1
     host = replace(batch.host, kv_last_page_len=batch.host.kv_last_page_len + 1)
     return replace(batch, kv_last_page_len=batch.kv_last_page_len + 1, host=host,
                    positions=batch.positions + 1,
                    write_offsets=batch.write_offsets + 1, kv_lens=[n + 1 for n in batch.kv_lens],
-                   decode=replace(plan, lens=plan.lens + 1, host_lens=lens, positions=plan.positions + 1))
+                   decode=[replace(plan, lens=lens, host_lens=[n + 1 for n in plan.host_lens],
+                                   positions=positions, biases={},
+                                   blocked=_blocked(lens, positions, plan.key_positions))])
+
+
+def _blocked(lens: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """Where a padded query row must not attend: slots past a sequence's keys, and positions
+    after the query's own."""
+    index = torch.arange(key_positions.shape[1], device=lens.device)
+    allowed = (index[None, :] < lens[:, None])[:, None, :] \
+        & (key_positions[:, None, :] <= positions[:, :, None])  # [d, m, L]
+    return ~allowed[:, None, :, None, :]
 
 
 def _plan_decode(ids: list[int], pages: list[list[int]], q_lens: list[int], kv_lens: list[int],
@@ -181,13 +220,16 @@ def _plan_decode(ids: list[int], pages: list[list[int]], q_lens: list[int], kv_l
     m = max(q_lens[i] for i in ids)
     rows = [[qo[i] + min(j, q_lens[i] - 1) for j in range(m)] for i in ids]
     lens = [kv_lens[i] - shared[i] * block_size for i in ids]
+    lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+    positions = torch.tensor([[kv_lens[i] - q_lens[i] + min(j, q_lens[i] - 1) for j in range(m)]
+                              for i in ids], dtype=torch.long, device=device)
+    index = torch.arange(width * block_size, device=device)
+    key_positions = (torch.tensor([kv_lens[i] for i in ids], device=device) - lens_t)[:, None] + index
     return DecodePlan(
         rows=torch.tensor(rows, dtype=torch.long, device=device),
         pages=torch.tensor(padded, dtype=torch.long, device=device),
-        lens=torch.tensor(lens, dtype=torch.long, device=device), host_lens=lens,
-        positions=torch.tensor([[kv_lens[i] - q_lens[i] + min(j, q_lens[i] - 1) for j in range(m)]
-                                for i in ids], dtype=torch.long, device=device),
-        groups=groups,
+        lens=lens_t, host_lens=lens, positions=positions, key_positions=key_positions,
+        blocked=_blocked(lens_t, positions, key_positions), groups=groups,
     )
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mmkv.attention.backend import AttentionBackend
-from mmkv.attention.metadata import CrossBatch, PagedBatch
+from mmkv.attention.metadata import CrossBatch, DecodePlan, PagedBatch
 
 if TYPE_CHECKING:
     from mmkv.models.base import StepContext
@@ -33,29 +33,39 @@ def write_kv(layer: torch.Tensor, batch: PagedBatch, key: torch.Tensor, value: t
     layer[batch.write_blocks, 1, batch.write_offsets] = value
 
 
-def gather_kv(layer: torch.Tensor, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(layer: torch.Tensor, pages: torch.Tensor, length: int,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[length, kv_heads, head_dim]`` of a page list (``index_select`` copies whole
-    pages, several times faster than advanced indexing)."""
+    pages, several times faster than advanced indexing), in ``dtype`` if given."""
     _, _, _, h, d = layer.shape
     k = layer[:, 0].index_select(0, pages).view(-1, h, d)[:length]
     v = layer[:, 1].index_select(0, pages).view(-1, h, d)[:length]
-    return k, v
+    return (k, v) if dtype in (None, layer.dtype) else (k.to(dtype), v.to(dtype))
+
+
+def compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """Attention arithmetic runs in float32 on the CPU whatever the model's dtype: half-precision
+    elementwise work is slower there, and the keys stay in the cache's dtype."""
+    return torch.float32 if query.device.type == "cpu" else query.dtype
 
 
 def attention(query: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale: float,
               sliding_window: int | None = None) -> torch.Tensor:
     """Attention output ``[T, q_heads, head_dim]`` for the packed queries ``[T, q_heads, head_dim]``
     (their K/V must already be written)."""
-    out = torch.empty_like(query)
+    if sliding_window is not None and batch.cascade_groups and max(batch.kv_lens) > sliding_window:
+        raise ValueError("cascade plans need a window covering every sequence; plan without cascade")
+    dtype = compute_dtype(query)
+    q_all = query.to(dtype)
+    out = torch.empty_like(q_all)
     qo = batch.qo_indptr.tolist() if batch.prefill else None
     for i in batch.prefill:
-        k, v = gather_kv(layer, batch.pages[i], batch.kv_lens[i])
+        k, v = gather_kv(layer, batch.pages[i], batch.kv_lens[i], dtype)
         start, end = qo[i], qo[i + 1]
-        out[start:end] = _attend_one(query[start:end], k, v, batch.kv_lens[i], scale, sliding_window)
-    if batch.decode is not None:
-        plan = batch.decode
-        out[plan.rows] = _decode(query[plan.rows], layer, batch, scale, sliding_window)
-    return out
+        out[start:end] = _attend_one(q_all[start:end], k, v, batch.kv_lens[i], scale, sliding_window)
+    for plan in batch.decode:
+        out[plan.rows] = _decode(q_all[plan.rows], layer, plan, batch.block_size, scale, sliding_window)
+    return out.to(query.dtype)
 
 
 def _causal_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
@@ -86,65 +96,56 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, 
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batched attention with its log-sum-exp.
-
-    q ``[B, Hkv, M, D]``, k/v ``[B, Hkv, L, D]``, allowed ``[B, 1, M, L]`` (every row has at least one
-    allowed key). Returns out ``[B, Hkv, M, D]`` and lse ``[B, Hkv, M]`` (natural log).
-    """
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None])
-    return torch.matmul(probs, v), lse
-
-
-def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                 lse_b: torch.Tensor) -> torch.Tensor:
-    """Combine two attention results over disjoint key sets into the result over their union."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
-
-
-def _decode(q: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale: float,
+def _decode(q: torch.Tensor, layer: torch.Tensor, plan: DecodePlan, block_size: int, scale: float,
             window: int | None) -> torch.Tensor:
     """Attention of ``d`` sequences' short queries ``[d, m, Hq, D]`` (padded to ``m`` each)."""
-    plan = batch.decode
     d, m, hq, dim = q.shape
     if d == 1:  # one sequence (so no cascade group): no padding to mask, no states to merge
-        k, v = gather_kv(layer, plan.pages[0], plan.host_lens[0])
+        k, v = gather_kv(layer, plan.pages[0], plan.host_lens[0], q.dtype)
         return _attend_one(q[0], k, v, plan.host_lens[0], scale, window)[None]
     hkv = layer.shape[3]
     g = hq // hkv
     # [d, Hkv, m*G, D]: each KV head's queries, query-major
-    groups_q = q.view(d, m, hkv, g, dim).permute(0, 2, 1, 3, 4).reshape(d, hkv, m * g, dim)
-    bs = batch.block_size
-    use_cascade = bool(plan.groups) and (window is None or max(batch.kv_lens) <= window)
-    if plan.groups and not use_cascade:
-        raise ValueError("cascade plans need a window covering every sequence; plan without cascade")
-    # Each sequence's own pages, padded to the longest.
-    k, v = gather_kv(layer, plan.pages.view(-1), plan.pages.numel() * bs)
-    k = k.view(d, -1, hkv, dim).transpose(1, 2)  # [d, Hkv, L, D]
-    v = v.view(d, -1, hkv, dim).transpose(1, 2)
-    index = torch.arange(k.shape[2], device=q.device)
-    kv_pos = (plan.positions[:, -1] - plan.lens + 1)[:, None] + index[None, :]  # [d, L]
-    allowed = (index[None, :] < plan.lens[:, None])[:, None, :] \
-        & (kv_pos[:, None, :] <= plan.positions[:, :, None])  # [d, m, L]
-    if window is not None:
-        allowed &= kv_pos[:, None, :] > (plan.positions[:, :, None] - window)
-    allowed = allowed[:, None, :, None, :].expand(d, 1, m, g, k.shape[2]).reshape(d, 1, m * g, -1)
-    out, lse = _attend(groups_q, k, v, allowed, scale)
+    groups_q = q.view(d, m, hkv, g, dim).transpose(1, 2).reshape(d, hkv, m * g, dim)
+    length = plan.pages.shape[1] * block_size
+    k, v = gather_kv(layer, plan.pages.view(-1), d * length, q.dtype)
+    k = k.view(d, length, hkv, dim).transpose(1, 2)  # [d, Hkv, L, D]
+    v = v.view(d, length, hkv, dim).transpose(1, 2)
+    out, lse = _attend_with_lse(groups_q, k, v, plan.bias(g, window), scale)
     for group in plan.groups:
-        ks, vs = gather_kv(layer, group.shared_pages, group.shared_pages.shape[0] * bs)
+        ks, vs = gather_kv(layer, group.shared_pages, group.num_pages * block_size, q.dtype)
         n = group.members.shape[0]
         gq = groups_q[group.members].transpose(0, 1).reshape(1, hkv, -1, dim)  # [1, Hkv, n*m*G, D]
-        everything = torch.ones((1, 1, 1, ks.shape[0]), dtype=torch.bool, device=q.device)
-        s_out, s_lse = _attend(gq, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], everything, scale)
-        s_out = s_out.view(hkv, n, -1, dim).transpose(0, 1)  # [n, Hkv, m*G, D]
-        s_lse = s_lse.view(hkv, n, -1).transpose(0, 1)
+        s_out, s_lse = _attend_with_lse(gq, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], None,
+                                        scale)
+        s_out = s_out[0].view(hkv, n, -1, dim).transpose(0, 1)  # [n, Hkv, m*G, D]
+        s_lse = s_lse[0].view(hkv, n, -1, 1).transpose(0, 1)
         out[group.members] = merge_states(s_out, s_lse, out[group.members], lse[group.members])
-    return out.view(d, hkv, m, g, dim).permute(0, 2, 1, 3, 4).reshape(d, m, hq, dim)
+    return out.view(d, hkv, m, g, dim).transpose(1, 2).reshape(d, m, hq, dim)
+
+
+def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q [B, H, M, D]`` over ``k, v [B, H, L, D]`` with an additive ``bias``
+    (``0`` / ``-inf``, broadcast to ``[B, H, M, L]``): the output and the natural-log log-sum-exp
+    ``[B, H, M, 1]`` (what merging two key sets needs). On the CPU one fused kernel does it."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias,
+                                                                             scale=scale)
+        return out, lse[..., None]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.matmul(scores.sub_(lse).exp_(), v), lse
+
+
+def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                 lse_b: torch.Tensor) -> torch.Tensor:
+    """Combine two attention results over disjoint key sets into the result over their union
+    (log-sum-exps ``[..., M, 1]``)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * torch.exp(lse_a - lse) + out_b * torch.exp(lse_b - lse)
 
 
 def cross_attention(query: torch.Tensor, layer: torch.Tensor, cross: CrossBatch,
