@@ -1,14 +1,17 @@
-"""mmkv's fused decoder layer against transformers' modules: the same logits bit for bit.
+"""mmkv's fused decoder layer against transformers' modules.
 
 Each family runs the same requests (prompt chunks, decode steps, a shared prefix served by
-cascade attention) twice on one engine: through the fused layers, then through transformers'
-own decoder layers (the fused layers removed), capturing every step's logits.
+cascade attention) through the fused layers and through transformers' own decoder layers,
+capturing every step's logits. With plain ``F.linear`` (``MMKV_PACK_WEIGHTS=0``) the fused layers
+equal the modules bit for bit; with weights packed for oneDNN (the CPU default) they agree to
+float rounding and give the same tokens.
 """
 
 import pytest
 import torch
 
 from mmkv import SamplingParams
+from mmkv.models.packed_linear import PackedLinear
 from test_engine_oracle import engine, prompts
 from test_multimodal import q, vlm_engine
 from tiny_models import FAMILIES
@@ -32,25 +35,34 @@ def captured_logits(eng, requests) -> list[torch.Tensor]:
     return logits
 
 
-def assert_same_as_modules(eng, requests) -> None:
-    assert eng.model.fused, "no layer of this family runs fused"
-    fused = captured_logits(eng, requests)
-    eng.kv.tree.evict(eng.kv.pool.num_blocks)  # the second run reuses nothing cached
-    eng.model.fused = {}
-    modules = captured_logits(eng, requests)
-    assert len(fused) == len(modules) >= P.max_tokens
-    for a, b in zip(fused, modules):
+def assert_same_as_modules(build, requests, monkeypatch) -> None:
+    """``build()`` makes an engine; compared: packed fused layers, plain fused layers, modules."""
+    packed = build()
+    assert packed.model.fused and all(isinstance(f.qkv, PackedLinear) for f in packed.model.fused.values())
+    packed_logits = captured_logits(packed, requests)
+    monkeypatch.setenv("MMKV_PACK_WEIGHTS", "0")
+    plain = build()
+    fused = captured_logits(plain, requests)
+    plain.kv.tree.evict(plain.kv.pool.num_blocks)  # the second run reuses nothing cached
+    plain.model.fused = {}
+    modules = captured_logits(plain, requests)
+    assert len(fused) == len(modules) == len(packed_logits) >= P.max_tokens
+    for a, b, c in zip(fused, modules, packed_logits):
         assert torch.equal(a, b), (a - b).abs().max()
+        torch.testing.assert_close(c, b, atol=1e-4, rtol=0)
+        assert torch.equal(c.argmax(-1), b.argmax(-1))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_text_families(model_dirs, family):
+def test_text_families(model_dirs, family, monkeypatch):
     [doc] = prompts(30, [37])
     requests = [doc + p for p in prompts(31, [3, 9, 20])] + prompts(32, [5])
-    assert_same_as_modules(engine(model_dirs, family, max_num_batched_tokens=40), requests)
+    assert_same_as_modules(lambda: engine(model_dirs, family, max_num_batched_tokens=40), requests,
+                           monkeypatch)
 
 
 @pytest.mark.parametrize("family", ["mllama", "llava", "mmkv_vlm"])
-def test_vision_language_families(vlm_dirs, family):
+def test_vision_language_families(vlm_dirs, family, monkeypatch):
     requests = [{"prompt": q(text), "images": [picture(50)]} for text in ("what?", "where is it?")]
-    assert_same_as_modules(vlm_engine(vlm_dirs, family), requests + [list(b"text only prompt")])
+    assert_same_as_modules(lambda: vlm_engine(vlm_dirs, family), requests + [list(b"text only prompt")],
+                           monkeypatch)

@@ -30,6 +30,10 @@ def build_model(family: str, directory: Path, seed: int = 0, **overrides) -> Pat
         setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # transformers starts biases (Qwen2's Q/K/V) at zero, which hides their use
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, config.initializer_range)
     model.save_pretrained(directory)
     return directory
 

@@ -13,6 +13,7 @@ first slots, since a block holds either text K/V or image K/V, never both.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from cache import KVLayout
 from mmkv.attention.backend import AttentionBackend
 from mmkv.attention.metadata import CrossBatch, PagedBatch
 from mmkv.models.fused_layer import FusedDecoderLayer
+from mmkv.models.packed_linear import PackedLinear, make_linear, release
 from mmkv.models.mrope import MRopePositions
 from vision import PreparedImage, VisionPipeline
 
@@ -165,9 +167,15 @@ class ModelAdapter:
         slots.update({layer: j for j, layer in enumerate(self.cross_layers)})
         self.layer_slots = [slots[i] for i in range(self.num_layers)]
         self.num_slots = max(len(self_layers), len(self.cross_layers))
-        # mmkv's own forward where the layer has the Llama structure; transformers' module otherwise
-        self.fused = {i: FusedDecoderLayer(self.text_model.layers[i]) for i in self_layers
+        # mmkv's own forward where the layer has the Llama structure; transformers' module otherwise.
+        # On the CPU their GEMMs and the head's run on weights packed once for oneDNN.
+        pack = self.device.type == "cpu" and os.environ.get("MMKV_PACK_WEIGHTS", "1") != "0"
+        self.fused = {i: FusedDecoderLayer(self.text_model.layers[i], pack) for i in self_layers
                       if FusedDecoderLayer.supports(self.text_model.layers[i])}
+        head = self.lm_head
+        self.head = make_linear(head.weight, head.bias, pack)
+        if isinstance(self.head, PackedLinear) and head.weight is not self.text_model.embed_tokens.weight:
+            release(head)
         self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- layout ---------------------------------------------------------------------------------
@@ -277,7 +285,7 @@ class ModelAdapter:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on rows ``[n, hidden]``; float32 logits."""
-        return self.lm_head(self.text_model.norm(hidden)).float()
+        return self.head(self.text_model.norm(hidden)).float()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: StepContext,

@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
+
+from mmkv.models.packed_linear import PackedLinear, PlainLinear, make_linear, release
 
 if TYPE_CHECKING:
     from mmkv.models.base import StepContext
@@ -43,13 +44,24 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def _concatenate(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several linear layers over the same input; each module's
-    parameters become views into it."""
-    weight = torch.cat([m.weight.detach() for m in modules])
+    """One weight (and bias) for several linear layers over the same input."""
     biases = [m.bias for m in modules]
-    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-    if bias is None and any(b is not None for b in biases):
+    if any(b is None for b in biases) and any(b is not None for b in biases):
         raise ValueError("cannot fuse linear layers of which only some have a bias")
+    weight = torch.cat([m.weight.detach() for m in modules])
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    return weight, bias
+
+
+def _fused_linear(modules: list[torch.nn.Linear], pack: bool) -> PackedLinear | PlainLinear:
+    """One layer for several linear layers over the same input. Packed, it holds the only copy of
+    the weights (the modules' are released); plain, the modules' parameters become views of its
+    concatenated weight, so they still run and nothing is stored twice."""
+    weight, bias = _concatenate(modules)
+    linear = make_linear(weight, bias, pack)
+    if isinstance(linear, PackedLinear):
+        release(*modules)
+        return linear
     start = 0
     for m in modules:
         n = m.weight.shape[0]
@@ -57,15 +69,16 @@ def _concatenate(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Te
         if bias is not None:
             m.bias.data = bias[start:start + n]
         start += n
-    return weight, bias
+    return linear
 
 
 class FusedDecoderLayer:
     """One decoder layer's forward on packed rows. Guarantees: ``layer(hidden, cos, sin, step)``
-    equals the module's output for the same rows, positions and paged context (bit for bit in
-    float32), and writes the same K/V."""
+    equals the module's output for the same rows, positions and paged context, and writes the
+    same K/V: bit for bit in float32 with plain linear layers, up to the GEMM's summation order
+    with weights packed for the CPU (``packed_linear``)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, pack: bool) -> None:
         attn, mlp = module.self_attn, module.mlp
         self.layer_idx = attn.layer_idx
         self.head_dim = attn.head_dim
@@ -74,14 +87,16 @@ class FusedDecoderLayer:
         self.scaling = attn.scaling
         self.sliding_window = (attn.sliding_window if hasattr(attn, "sliding_window")
                                else getattr(attn.config, "sliding_window", None))
-        self.qkv_weight, self.qkv_bias = _concatenate([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up_weight, self.gate_up_bias = _concatenate([mlp.gate_proj, mlp.up_proj])
-        self.o_proj, self.down_proj, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
-        self.input_norm = module.input_layernorm
-        self.post_attention_norm = module.post_attention_layernorm
         self.split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                       self.num_kv_heads * self.head_dim]
         self.intermediate = mlp.gate_proj.weight.shape[0]
+        self.qkv = _fused_linear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
+        self.gate_up = _fused_linear([mlp.gate_proj, mlp.up_proj], pack)
+        self.o_proj = _fused_linear([attn.o_proj], pack)
+        self.down_proj = _fused_linear([mlp.down_proj], pack)
+        self.act = mlp.act_fn
+        self.input_norm = module.input_layernorm
+        self.post_attention_norm = module.post_attention_layernorm
 
     @staticmethod
     def supports(module: torch.nn.Module) -> bool:
@@ -93,7 +108,7 @@ class FusedDecoderLayer:
         t = hidden.shape[0]
         norm = self.input_norm
         x = rms_norm(hidden, norm.weight, norm.variance_epsilon)
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = rotate(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = rotate(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         layer = step.kv_layers[self.layer_idx]
@@ -102,5 +117,5 @@ class FusedDecoderLayer:
         hidden = hidden + self.o_proj(out.reshape(t, -1))
         norm = self.post_attention_norm
         x = rms_norm(hidden, norm.weight, norm.variance_epsilon)
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.intermediate, dim=-1)
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
         return hidden + self.down_proj(self.act(gate) * up)
