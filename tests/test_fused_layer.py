@@ -35,8 +35,22 @@ def captured_logits(eng, requests) -> list[torch.Tensor]:
     return logits
 
 
+def module_cross_layer(layer, hidden, step):
+    """Mllama's cross-attention decoder layer through its own modules, over paged image K/V."""
+    if step.cross is None:
+        return hidden
+    attn, t = layer.cross_attn, hidden.shape[1]
+    q = attn.q_proj(layer.input_layernorm(hidden)).view(t, attn.num_heads, attn.head_dim)
+    o = step.backend.cross_attention(step, attn.q_norm(q), step.kv_layers[layer.layer_idx],
+                                     attn.scaling)
+    hidden = hidden + layer.cross_attn_attn_gate.tanh() * attn.o_proj(o.reshape(1, t, -1))
+    mlp = layer.mlp(layer.post_attention_layernorm(hidden))
+    return hidden + layer.cross_attn_mlp_gate.tanh() * (step.cross.row_mask[None, :, None] * mlp)
+
+
 def assert_same_as_modules(build, requests, monkeypatch) -> None:
-    """``build()`` makes an engine; compared: packed fused layers, plain fused layers, modules."""
+    """``build()`` makes an engine; compared: packed fused layers, plain fused layers, modules
+    (for cross-attention layers too, where the model has them)."""
     packed = build()
     assert packed.model.fused and all(isinstance(f.qkv, PackedLinear) for f in packed.model.fused.values())
     packed_logits = captured_logits(packed, requests)
@@ -45,6 +59,7 @@ def assert_same_as_modules(build, requests, monkeypatch) -> None:
     fused = captured_logits(plain, requests)
     plain.kv.tree.evict(plain.kv.pool.num_blocks)  # the second run reuses nothing cached
     plain.model.fused = {}
+    plain.model.run_cross_layer = module_cross_layer
     modules = captured_logits(plain, requests)
     assert len(fused) == len(modules) == len(packed_logits) >= P.max_tokens
     for a, b, c in zip(fused, modules, packed_logits):

@@ -41,11 +41,12 @@ def save_tokenizer(directory: Path, image_token: str) -> None:
 
 
 def _open_gates(language_model: torch.nn.Module) -> None:
-    """Cross-attention gates start at 0 (images ignored); open them so images matter."""
+    """Cross-attention gates start at 0 (images ignored); open them so images matter, the attention
+    and MLP gates to different values so that swapping them shows."""
     with torch.no_grad():
         for name, p in language_model.named_parameters():
             if name.endswith("_gate"):
-                p.fill_(0.9)
+                p.fill_(0.6 if name.endswith("mlp_gate") else 0.9)
 
 
 def build_mllama(directory: Path, seed: int = 0) -> Path:

@@ -169,11 +169,11 @@ class ModelAdapter:
         self.num_slots = max(len(self_layers), len(self.cross_layers))
         # mmkv's own forward where the layer has the Llama structure; transformers' module otherwise.
         # On the CPU their GEMMs and the head's run on weights packed once for oneDNN.
-        pack = self.device.type == "cpu" and os.environ.get("MMKV_PACK_WEIGHTS", "1") != "0"
-        self.fused = {i: FusedDecoderLayer(self.text_model.layers[i], pack) for i in self_layers
-                      if FusedDecoderLayer.supports(self.text_model.layers[i])}
+        self.pack_weights = self.device.type == "cpu" and os.environ.get("MMKV_PACK_WEIGHTS", "1") != "0"
+        self.fused = {i: FusedDecoderLayer(self.text_model.layers[i], self.pack_weights)
+                      for i in self_layers if FusedDecoderLayer.supports(self.text_model.layers[i])}
         head = self.lm_head
-        self.head = make_linear(head.weight, head.bias, pack)
+        self.head = make_linear(head.weight, head.bias, self.pack_weights)
         if isinstance(self.head, PackedLinear) and head.weight is not self.text_model.embed_tokens.weight:
             release(head)
         self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None

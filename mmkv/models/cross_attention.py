@@ -17,6 +17,7 @@ from transformers import AutoImageProcessor, MllamaForConditionalGeneration
 from mmkv.models.base import (ATTENTION_NAME, ImagePlacement, ModelAdapter, StepContext,
                               load_hf_config, resolve_dtype)
 from mmkv.models.causal_lm import from_pretrained
+from mmkv.models.fused_layer import fused_linear, rms_norm
 from vision import PreparedImage, ProcessorEncoder, VisionPipeline
 
 ATTENTION = {"text_config": ATTENTION_NAME, "vision_config": "sdpa", "": "sdpa"}
@@ -46,23 +47,52 @@ class CrossAttentionAdapter(ModelAdapter):
             out.append((k[0], v))
         return out
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.cross_forward = {i: CrossLayerForward(self.text_model.layers[i], self.pack_weights)
+                              for i in self.cross_layers}
+
     def run_cross_layer(self, layer: torch.nn.Module, hidden: torch.Tensor,
                         step: StepContext) -> torch.Tensor:
         """Mllama's cross-attention decoder layer over paged image K/V (identity without images,
         as transformers skips the layer for text-only input)."""
-        cross = step.cross
-        if cross is None:
+        if step.cross is None:
             return hidden
-        attn = layer.cross_attn
-        t = hidden.shape[1]
-        residual = hidden
-        q = attn.q_proj(layer.input_layernorm(hidden)).view(t, attn.num_heads, attn.head_dim)
-        o = step.backend.cross_attention(step, attn.q_norm(q), step.kv_layers[layer.layer_idx],
-                                         attn.scaling)
-        hidden = residual + layer.cross_attn_attn_gate.tanh() * attn.o_proj(o.reshape(1, t, -1))
-        mlp = layer.mlp(layer.post_attention_layernorm(hidden))
-        mlp = cross.row_mask[None, :, None].to(mlp.dtype) * mlp
-        return hidden + layer.cross_attn_mlp_gate.tanh() * mlp
+        return self.cross_forward[layer.layer_idx](hidden[0], step)[None]
+
+
+class CrossLayerForward:
+    """Mllama's cross-attention decoder layer on packed rows ``[T, hidden]``, as its module computes
+    it, with its gates' tanh taken once and its MLP's gate and up projections in one GEMM (packed
+    for oneDNN on the CPU, as the fused self-attention layers are)."""
+
+    def __init__(self, layer: torch.nn.Module, pack: bool) -> None:
+        attn, mlp = layer.cross_attn, layer.mlp
+        self.layer_idx = layer.layer_idx
+        self.num_heads, self.head_dim, self.scaling = attn.num_heads, attn.head_dim, attn.scaling
+        self.intermediate, self.act = mlp.gate_proj.weight.shape[0], mlp.act_fn  # before packing
+        self.q_proj = fused_linear([attn.q_proj], pack)
+        self.o_proj = fused_linear([attn.o_proj], pack)
+        self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj], pack)
+        self.down_proj = fused_linear([mlp.down_proj], pack)
+        self.input_norm, self.q_norm = layer.input_layernorm, attn.q_norm
+        self.post_attention_norm = layer.post_attention_layernorm
+        self.attn_gate = layer.cross_attn_attn_gate.detach().tanh()
+        self.mlp_gate = layer.cross_attn_mlp_gate.detach().tanh()
+
+    def __call__(self, hidden: torch.Tensor, step: StepContext) -> torch.Tensor:
+        t = hidden.shape[0]
+        norm = self.input_norm
+        q = self.q_proj(rms_norm(hidden, norm.weight, norm.variance_epsilon))
+        q = rms_norm(q.view(t, self.num_heads, self.head_dim), self.q_norm.weight,
+                     self.q_norm.variance_epsilon)
+        o = step.backend.cross_attention(step, q, step.kv_layers[self.layer_idx], self.scaling)
+        hidden = hidden + self.attn_gate * self.o_proj(o.reshape(t, -1))
+        norm = self.post_attention_norm
+        gate, up = self.gate_up(rms_norm(hidden, norm.weight, norm.variance_epsilon)).split(
+            self.intermediate, dim=-1)
+        mlp = step.cross.row_mask[:, None].to(hidden.dtype) * self.down_proj(self.act(gate) * up)
+        return hidden + self.mlp_gate * mlp
 
 
 def load_mllama(path: Path, device: torch.device, dtype: str | torch.dtype) -> CrossAttentionAdapter:

@@ -53,7 +53,7 @@ def _concatenate(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Te
     return weight, bias
 
 
-def _fused_linear(modules: list[torch.nn.Linear], pack: bool) -> PackedLinear | PlainLinear:
+def fused_linear(modules: list[torch.nn.Linear], pack: bool) -> PackedLinear | PlainLinear:
     """One layer for several linear layers over the same input. Packed, it holds the only copy of
     the weights (the modules' are released); plain, the modules' parameters become views of its
     concatenated weight, so they still run and nothing is stored twice."""
@@ -90,10 +90,10 @@ class FusedDecoderLayer:
         self.split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                       self.num_kv_heads * self.head_dim]
         self.intermediate = mlp.gate_proj.weight.shape[0]
-        self.qkv = _fused_linear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
-        self.gate_up = _fused_linear([mlp.gate_proj, mlp.up_proj], pack)
-        self.o_proj = _fused_linear([attn.o_proj], pack)
-        self.down_proj = _fused_linear([mlp.down_proj], pack)
+        self.qkv = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
+        self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj], pack)
+        self.o_proj = fused_linear([attn.o_proj], pack)
+        self.down_proj = fused_linear([mlp.down_proj], pack)
         self.act = mlp.act_fn
         self.input_norm = module.input_layernorm
         self.post_attention_norm = module.post_attention_layernorm
