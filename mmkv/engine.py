@@ -241,7 +241,7 @@ class Engine:
         self._peak_blocks = max(self._peak_blocks, self.kv.pool.num_in_use)
         touched: dict[int, None] = {}
         if plain:
-            self._run_plain([s for s, _ in plain], [q for _, q in plain], touched, failed)
+            self._timed_plain([s for s, _ in plain], [q for _, q in plain], touched, failed)
         if spec:
             self._run_speculative([s for s, _ in spec], [g for _, g in spec], touched, failed)
         outputs = [self._output(r) for r in touched if r not in failed]
@@ -319,6 +319,18 @@ class Engine:
                 continue
             touched[seqs[i].request_id] = None
 
+    def _timed_plain(self, seqs: list[Sequence], q_lens: list[int], touched: dict[int, None],
+                     failed: dict[int, BaseException]) -> None:
+        """``_run_plain``; a pure decoding pass is timed for the speculation controller."""
+        if self.speculator is None or any(q != 1 for q in q_lens):
+            self._run_plain(seqs, q_lens, touched, failed)
+            return
+        context = sum(len(s.token_ids) for s in seqs)
+        clock = self.speculator.controller.clock
+        start = clock()
+        self._run_plain(seqs, q_lens, touched, failed)
+        self.speculator.observe_plain(len(seqs), context, clock() - start)
+
     def _forward_plain(self, seqs: list[Sequence], q_lens: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Logits at the last token of every sequence whose last token is computed now (and the
         indices of those sequences). Writes K/V only into the reserved slots, so it can rerun."""
@@ -333,28 +345,36 @@ class Engine:
                             device=self.device)
         logits = self.model.forward(input_ids, step, rows)
         if self.speculator is not None:
-            self.speculator.follow(input_ids, step)
+            self.speculator.follow(input_ids, step, seqs, q_lens)
         return logits, sampling
 
     def _split_speculative(self, seqs: list[Sequence], q_lens: list[int]):
-        """Decoding sequences that can speculate get ``gamma`` more slots reserved (pairs
-        ``(seq, gamma)``); the rest run a plain step (pairs ``(seq, q_len)``)."""
-        plain, spec = [], []
+        """Decoding sequences that can speculate get the draft length the controller chose, and
+        that many more slots reserved (pairs ``(seq, gamma)``, gamma 0 included: it joins the
+        verification pass); the rest run a plain step (pairs ``(seq, q_len)``), and so does
+        everyone when the controller chose 0 for all."""
+        plain, candidates, limits = [], [], []
         for seq, q in zip(seqs, q_lens):
-            gamma = 0
             if (self.speculator is not None and q == 1 and seq.num_pending == 1 and seq.params.n == 1
                     and seq.params.logprobs is None):
                 room = min(seq.params.max_tokens - len(seq.output_ids),
                            self.max_model_len - len(seq.token_ids)) - 1
-                gamma = max(0, min(self.speculator.config.num_tokens, room))
-                if gamma and self.kv.blocks_needed(seq.table, gamma) <= self.kv.num_available():
-                    self.kv.append_slots(seq.table, gamma)
-                else:
-                    gamma = 0
-            if gamma:
-                spec.append((seq, gamma))
+                candidates.append(seq)
+                limits.append(max(0, min(self.speculator.config.num_tokens, room)))
             else:
                 plain.append((seq, q))
+        if not candidates:
+            return plain, []
+        gammas = self.speculator.plan(candidates, limits)
+        if not any(gammas):
+            return plain + [(seq, 1) for seq in candidates], []
+        spec = []
+        for seq, gamma in zip(candidates, gammas):
+            if gamma and self.kv.blocks_needed(seq.table, gamma) <= self.kv.num_available():
+                self.kv.append_slots(seq.table, gamma)
+            else:
+                gamma = 0
+            spec.append((seq, gamma))
         return plain, spec
 
     def _run_speculative(self, seqs: list[Sequence], gammas: list[int], touched: dict[int, None],
@@ -634,7 +654,7 @@ class Engine:
             "block_size": self.kv.block_size,
             **(self.model.vision.stats() if self.model.vision is not None else {}),
             **({"xattn_blocks_computed": self.image_kv.computed_blocks} if self.image_kv else {}),
-            **(self.speculator.stats.as_dict() if self.speculator else {}),
+            **(self.speculator.summary() if self.speculator else {}),
         }
 
 

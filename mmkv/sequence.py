@@ -12,6 +12,7 @@ from cache import BlockTable, ImageSpan, SwappedTable, make_keys
 from mmkv.models import ImagePlacement, MRopePositions
 from mmkv.outputs import TokenLogprob
 from mmkv.sampling_params import SamplingParams
+from speculative import DraftHistory
 from vision import PreparedImage
 
 
@@ -67,6 +68,8 @@ class Sequence:
     image_tables: list[BlockTable] = field(default_factory=list)  # cross-attention K/V blocks
     rope: MRopePositions | None = None  # M-RoPE models: positions fixed at submission
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
+    drafting: DraftHistory | None = None  # speculative decoding: its drafts' record
+    draft_valid: int | None = None  # a draft model's K/V is current for positions below this
     _array: np.ndarray = field(default=None, repr=False)
 
     @property

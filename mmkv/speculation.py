@@ -1,6 +1,8 @@
 """Speculative decoding in the engine: a draft proposes, the target verifies in one pass.
 
-A round for a batch of decoding sequences:
+Before each step ``Speculator.plan`` asks the controller (``speculative.controller``) for every
+decoding sequence's draft length ``gamma``, 0 included; when all are 0 the step decodes plainly.
+A round for a batch of decoding sequences (those with ``gamma`` 0 join with their pending token):
 
 1. ``gamma + 1`` draft passes, one position at a time (the pending token, then each draft), write
    the draft's K/V into the sequence's own blocks and propose the next token; the last pass only
@@ -9,6 +11,9 @@ A round for a batch of decoding sequences:
 3. ``speculative.verify_*`` accepts a prefix of the drafts and adds one target token. The caller
    truncates the table to the accepted positions, so rejected K/V is never read and never enters
    the radix tree.
+
+Every draft pass, verification pass and plain decoding pass is timed and told to the controller
+with its rows and context, and every round's proposals and acceptances.
 
 Two drafts:
 
@@ -23,6 +28,7 @@ Two drafts:
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
@@ -34,13 +40,17 @@ from mmkv.attention.metadata import next_position
 from mmkv.models import ModelAdapter, StepContext
 from mmkv.sampler import filtered_probs
 from mmkv.sequence import Sequence
-from speculative import SpeculativeConfig, Verdict, verify_greedy, verify_sampling
+from speculative import (DraftHistory, DraftLengthController, SpeculativeConfig, Verdict,
+                         verify_greedy, verify_sampling)
 
 ContextFn = Callable[..., StepContext]  # (seqs, q_lens, kv_lens, images=True): the engine's step context
 
 
 @dataclass(slots=True)
 class SpeculationStats:
+    """Counters over every round: ``rounds`` counts sequences verified (one per sequence per
+    round, those that drafted 0 included), ``drafted`` and ``accepted`` draft tokens."""
+
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -58,13 +68,16 @@ class Speculator(ABC):
     """Guarantees: every verdict is what the target alone would produce (greedy: the same
     tokens; sampling: the same distribution)."""
 
-    def __init__(self, model: ModelAdapter, config: SpeculativeConfig, context: ContextFn) -> None:
+    def __init__(self, model: ModelAdapter, config: SpeculativeConfig, context: ContextFn,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.model, self.config, self.context = model, config, context
         self.stats = SpeculationStats()
+        self.controller = DraftLengthController(config.num_tokens, config.draft_length == "fixed", clock)
         self._previous: tuple[tuple[int, ...], StepContext] | None = None  # the last draft pass
 
-    def follow(self, input_ids: torch.Tensor, step: StepContext) -> None:
-        """Called after every plain target step on the same tokens (draft stores stay in step)."""
+    def follow(self, input_ids: torch.Tensor, step: StepContext, seqs: list[Sequence],
+               q_lens: list[int]) -> None:
+        """Called after every plain target pass on the same tokens (draft stores stay in step)."""
 
     @abstractmethod
     def _draft_pass(self, seqs: list[Sequence], tokens: list[int], kv_lens: list[int],
@@ -77,23 +90,40 @@ class Speculator(ABC):
                        lens: list[int]) -> torch.Tensor:
         """The target's logits at the ``gamma + 1`` positions of every sequence, packed."""
 
+    def plan(self, seqs: list[Sequence], limits: list[int]) -> list[int]:
+        """Each sequence's draft length for the next round, at most ``limits[i]`` (the
+        controller's choice; all 0: decode plainly)."""
+        return self.controller.choose([self._history(s) for s in seqs], limits,
+                                      [len(s.token_ids) for s in seqs])
+
+    def observe_plain(self, rows: int, context: int, seconds: float) -> None:
+        """A plain decoding pass over ``rows`` sequences attending ``context`` tokens took this."""
+        self.controller.observe_pass("plain", rows, context, seconds)
+
+    def summary(self) -> dict[str, float]:
+        return {**self.stats.as_dict(), **self.controller.summary()}
+
     @torch.inference_mode()
     def round(self, seqs: list[Sequence], gammas: list[int],
               stop_tokens: list[set[int]]) -> list[Verdict]:
-        """Draft up to ``gammas[i]`` tokens for each sequence and verify them. Each table must
-        have slots reserved up to ``len(token_ids) + gammas[i] - 1``. A sequence drafts nothing
-        after one of its ``stop_tokens`` (it would end there)."""
+        """Draft up to ``gammas[i]`` tokens for each sequence (0: it joins verification with its
+        pending token only) and verify them. Each table must have slots reserved up to
+        ``len(token_ids) + gammas[i] - 1``. A sequence drafts nothing after one of its
+        ``stop_tokens`` (it would end there). Every pass is timed for the controller."""
+        clock, controller = self.controller.clock, self.controller
         lens = [len(s.token_ids) for s in seqs]
-        gammas = list(gammas)
+        chosen, gammas = list(gammas), list(gammas)
         inputs = [s.token_ids[-1] for s in seqs]
         drafts: list[list[int]] = [[] for _ in seqs]
         draft_probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        unsure = [False] * len(seqs)  # drafting stopped below the confidence threshold
         threshold = self.config.adaptive_threshold
-        self._begin(len(seqs))
+        self._begin(seqs)
         for i in range(max(gammas) + 1):
             live = [b for b in range(len(seqs)) if i <= gammas[b]]
             if not live:  # every sequence stopped drafting early
                 break
+            start = clock()
             drafting = [r for r, b in enumerate(live) if i < gammas[b]]
             logits = self._draft_pass([seqs[b] for b in live], [inputs[b] for b in live],
                                       [lens[b] + i for b in live], drafting, live)
@@ -102,12 +132,15 @@ class Speculator(ABC):
                 token, probs = _draft(seqs[b], logits[row], threshold is not None)
                 if threshold is not None and probs.max().item() < threshold:
                     gammas[b] = i  # not confident: this pass was the last one needed
+                    unsure[b] = True
                     continue
                 drafts[b].append(token)
                 draft_probs[b].append(probs)
                 inputs[b] = token
                 if token in stop_tokens[b]:
                     gammas[b] = i + 1  # one more pass completes this draft's K/V
+            controller.observe_pass("draft", len(live), sum(lens[b] + i for b in live), clock() - start)
+        start = clock()
         logits = self._verify_logits(seqs, gammas, drafts, lens)
         verdicts, row = [], 0
         for seq, g, d, q in zip(seqs, gammas, drafts, draft_probs):
@@ -119,14 +152,24 @@ class Speculator(ABC):
                 p = torch.stack([filtered_probs(r, seq.params) for r in rows]).cpu()
                 qs = torch.stack(q).cpu() if q else p[:0]
                 verdicts.append(verify_sampling(d, qs, p, seq.generator))
+        controller.observe_pass("verify", row, sum((g + 1) * n + g * (g + 1) // 2
+                                                   for n, g in zip(lens, gammas)), clock() - start)
+        for seq, n, c, d, v, u in zip(seqs, lens, chosen, drafts, verdicts, unsure):
+            controller.observe_round(self._history(seq), c, len(d), v.accepted, u)
+            seq.draft_valid = n + v.accepted  # the pending token and the accepted drafts
         self.stats.rounds += len(seqs)
         self.stats.drafted += sum(gammas)
         self.stats.accepted += sum(v.accepted for v in verdicts)
         self.stats.target_passes += 1
         return verdicts
 
-    def _begin(self, batch: int) -> None:
-        """A round starts for ``batch`` sequences."""
+    def _history(self, seq: Sequence) -> DraftHistory:
+        if seq.drafting is None:
+            seq.drafting = self.controller.new_history()
+        return seq.drafting
+
+    def _begin(self, seqs: list[Sequence]) -> None:
+        """A round starts for ``seqs``."""
         self._previous = None
 
     def _draft_context(self, seqs: list[Sequence], kv_lens: list[int], live: list[int],
@@ -160,9 +203,9 @@ class EarlyExitSpeculator(Speculator):
         self.k = k
         self.hidden: list[list[torch.Tensor]] = []
 
-    def _begin(self, batch: int) -> None:
-        super()._begin(batch)
-        self.hidden = [[] for _ in range(batch)]
+    def _begin(self, seqs: list[Sequence]) -> None:
+        super()._begin(seqs)
+        self.hidden = [[] for _ in seqs]
 
     def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
         step = self._draft_context(seqs, kv_lens, live, images=True)
@@ -196,9 +239,37 @@ class DraftModelSpeculator(Speculator):
     def draft_layers(self) -> list[torch.Tensor]:
         return self.draft.layer_views(self.storage.stores[1])
 
-    def follow(self, input_ids: torch.Tensor, step: StepContext) -> None:
+    def follow(self, input_ids, step, seqs, q_lens):
+        """Prompt chunks run through the draft too. A pure decoding pass does not: the controller
+        chose not to speculate (or these sequences never do), so the draft falls behind and
+        catches up in one pass when its sequence next joins a round (``_catch_up``)."""
+        if all(q == 1 for q in q_lens):
+            return
         self.draft.forward(input_ids, StepContext(step.batch, self.draft_layers, step.backend),
                            torch.zeros(0, dtype=torch.long, device=input_ids.device))
+        for seq, q in zip(seqs, q_lens):
+            if seq.draft_valid is None or seq.draft_valid >= seq.num_computed:
+                seq.draft_valid = seq.num_computed + q
+
+    def _begin(self, seqs: list[Sequence]) -> None:
+        super()._begin(seqs)
+        self._catch_up(seqs)
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """The draft's K/V for the positions it skipped (all but the pending token, which pass 0
+        computes), in one pass. A sequence it never followed (its prompt came from the cache)
+        trusts the cached blocks."""
+        behind = [(s, s.draft_valid) for s in seqs
+                  if s.draft_valid is not None and s.draft_valid < len(s.token_ids) - 1]
+        if not behind:
+            return
+        ends = [len(s.token_ids) - 1 for s, _ in behind]
+        step = self.context([s for s, _ in behind], [e - v for (_, v), e in zip(behind, ends)], ends,
+                            images=False)
+        ids = torch.tensor([t for (s, v), e in zip(behind, ends) for t in s.token_ids[v:e]],
+                           dtype=torch.long, device=step.batch.positions.device)
+        self.draft.forward(ids, StepContext(step.batch, self.draft_layers, step.backend),
+                           torch.zeros(0, dtype=torch.long, device=ids.device))
 
     def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
         step = self._draft_context(seqs, kv_lens, live, images=False)  # the draft reads text only

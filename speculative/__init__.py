@@ -1,6 +1,11 @@
-"""Speculative decoding: configuration and exact verification (greedy and rejection sampling)."""
+"""Speculative decoding: configuration, exact verification (greedy and rejection sampling) and the
+controller that chooses each sequence's draft length."""
 
-from speculative.config import METHODS, SpeculativeConfig
+from speculative.acceptance import DraftHistory
+from speculative.config import DRAFT_LENGTHS, METHODS, SpeculativeConfig
+from speculative.controller import DraftLengthController
+from speculative.costs import PassCosts
 from speculative.verification import Verdict, verify_greedy, verify_sampling
 
-__all__ = ["METHODS", "SpeculativeConfig", "Verdict", "verify_greedy", "verify_sampling"]
+__all__ = ["DRAFT_LENGTHS", "METHODS", "DraftHistory", "DraftLengthController", "PassCosts",
+           "SpeculativeConfig", "Verdict", "verify_greedy", "verify_sampling"]

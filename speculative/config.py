@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 METHODS = ("early_exit", "draft_model")
+DRAFT_LENGTHS = ("auto", "fixed")
 
 
 @dataclass(slots=True)
@@ -14,8 +15,11 @@ class SpeculativeConfig:
     head draft (their KV is the target's own); ``draft_model``: a separate small model with the same
     tokenizer (its KV in a second store addressed by the same block tables).
 
-    ``num_tokens`` drafts per round; with ``adaptive_threshold`` a round stops drafting once the
-    draft's top probability falls below it.
+    ``num_tokens``: the most drafts per round. ``draft_length="auto"``: each step a controller
+    (``speculative.controller``) chooses every sequence's draft length, 0 included, from measured
+    costs and acceptance, decoding plainly when speculation would not pay; ``"fixed"``: every
+    round drafts ``num_tokens``. With ``adaptive_threshold`` a round also stops a sequence's
+    drafting once the draft's top probability falls below it.
     """
 
     method: str = "early_exit"
@@ -23,6 +27,7 @@ class SpeculativeConfig:
     early_exit_layer: int | None = None  # default: the model's own "early_exit_layer"
     draft_model: str | Path | None = None
     adaptive_threshold: float | None = None
+    draft_length: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -31,5 +36,7 @@ class SpeculativeConfig:
             raise ValueError(f"num_tokens must be an integer >= 1, got {self.num_tokens!r}")
         if self.method == "draft_model" and self.draft_model is None:
             raise ValueError("method 'draft_model' needs draft_model (a model directory)")
+        if self.draft_length not in DRAFT_LENGTHS:
+            raise ValueError(f"draft_length must be one of {DRAFT_LENGTHS}, got {self.draft_length!r}")
         if self.adaptive_threshold is not None and not 0 < self.adaptive_threshold < 1:
             raise ValueError(f"adaptive_threshold must be in (0, 1), got {self.adaptive_threshold}")

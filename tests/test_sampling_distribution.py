@@ -20,6 +20,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, TemperatureLogitsWa
 
 from mmkv import Engine, SamplingParams
 from speculative import SpeculativeConfig
+from test_speculative_engine import FrozenCosts
 
 VOCAB = 16
 PROMPT = [1, 2, 3, 4, 5]
@@ -96,20 +97,28 @@ def assert_samples_follow(outs, exact: list[torch.Tensor]) -> None:
 
 
 def sample_many(directory, n: int, speculative: SpeculativeConfig | None, **filters):
+    """``n`` seeded samples. With speculation the draft-length controller is on, its cost model
+    frozen where drafting is cheap (on this model plain decoding is faster, so measured costs
+    would have it decode plainly): each sequence drafts as far as its measured acceptance
+    warrants, up to its room."""
     params = [SamplingParams(max_tokens=POSITIONS, seed=s, ignore_eos=True, **filters)
               for s in range(n)]
     eng = Engine(directory, kv_cache_memory=1 << 22, host_kv_memory=1 << 20, block_size=4,
                  device="cpu", speculative=speculative)
+    if speculative is not None:
+        eng.speculator.controller.costs = FrozenCosts(draft=lambda r: 0.01 + 1e-5 * r,
+                                                      verify=lambda r: 1 + 1e-4 * r,
+                                                      plain=lambda r: 1 + 1e-4 * r)
     outs = eng.generate([PROMPT] * n, params)
     return outs, eng.stats()
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2])
 def test_rejection_sampling_keeps_the_target_distribution(small_vocab_model, num_tokens):
-    """6000 samples at temperature 1 with early exit after layer 1 drafting. Every generated token
-    comes from a speculative round: the prompt's last token is computed by one when its first block
-    is cached, which it is after the first request, so positions 0-2 cover accepted drafts,
-    corrections drawn from the residual and bonus tokens."""
+    """6000 samples at temperature 1 with early exit after layer 1 drafting, lengths chosen by the
+    controller. Every generated token comes from a speculative round: the prompt's last token is
+    computed by one when its first block is cached, which it is after the first request, so
+    positions 0-2 cover accepted drafts, corrections drawn from the residual and bonus tokens."""
     directory, model = small_vocab_model
     outs, stats = sample_many(directory, 6_000, SpeculativeConfig(num_tokens=num_tokens,
                                                                    early_exit_layer=1),

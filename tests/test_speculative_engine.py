@@ -3,6 +3,7 @@ drafts in cached blocks, and no blocks of its own (sampling: test_sampling_distr
 
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -11,19 +12,20 @@ from mmkv import Engine, SamplingParams
 from mmkv.models import MmkvVLM
 from mmkv.sequence import Sequence
 from mmkv.speculation import Speculator
-from speculative import SpeculativeConfig
+from speculative import PassCosts, SpeculativeConfig
 from test_engine_oracle import BLOCK_BYTES, prompts
-from tiny_models import FAMILIES, build_model
+from tiny_models import FAMILIES, build_model, hf_greedy, load_hf
 from tiny_vlms import IMAGE_TOKEN, picture
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
-def spec_engine(directory, blocks=1024, k=1, gamma=3, **kw) -> Engine:
+def spec_engine(directory, blocks=1024, k=1, gamma=3, draft_length="auto", **kw) -> Engine:
     kw.setdefault("debug", True)
     return Engine(directory, kv_cache_memory=blocks * BLOCK_BYTES, host_kv_memory=blocks * BLOCK_BYTES,
                   block_size=4, device="cpu",
-                  speculative=SpeculativeConfig(num_tokens=gamma, early_exit_layer=k), **kw)
+                  speculative=SpeculativeConfig(num_tokens=gamma, early_exit_layer=k,
+                                                draft_length=draft_length), **kw)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -45,7 +47,8 @@ def test_early_exit_with_prefix_hits_preemption_and_adaptive_drafting(model_dirs
     batch = [doc + q for q in prompts(42, [3, 4, 5, 6, 7])]
     eng = Engine(model_dirs["qwen2"], kv_cache_memory=30 * BLOCK_BYTES, host_kv_memory=30 * BLOCK_BYTES,
                  block_size=4, device="cpu", debug=True,
-                 speculative=SpeculativeConfig(num_tokens=4, early_exit_layer=1, adaptive_threshold=0.3))
+                 speculative=SpeculativeConfig(num_tokens=4, early_exit_layer=1, adaptive_threshold=0.3,
+                                               draft_length="fixed"))  # every round may draft 4
     outs = eng.generate(batch, GREEDY)
     for p, o in zip(batch, outs):
         assert o.token_ids == hf_oracle("qwen2", p, 24)
@@ -116,7 +119,7 @@ def test_training_script_trains_the_exit_the_engine_drafts_from(vlm_dirs, k):
     sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
     from train_tiny import after_layers
 
-    eng = spec_engine(vlm_dirs["mmkv_vlm"], blocks=2048, k=k, gamma=3)
+    eng = spec_engine(vlm_dirs["mmkv_vlm"], blocks=2048, k=k, gamma=3, draft_length="fixed")
     spec, drafted = eng.speculator, []
     draft_pass = spec._draft_pass
 
@@ -138,12 +141,13 @@ def test_training_script_trains_the_exit_the_engine_drafts_from(vlm_dirs, k):
         torch.testing.assert_close(h, want[pos], atol=1e-4, rtol=1e-4)
 
 
-def draft_engine(target, draft, blocks=1024, **kw) -> Engine:
+def draft_engine(target, draft, blocks=1024, gamma=3, draft_length="auto", **kw) -> Engine:
     kw.setdefault("debug", True)
     per_block = 2 * BLOCK_BYTES  # target and draft stores of the same blocks
     return Engine(target, kv_cache_memory=blocks * per_block, host_kv_memory=blocks * per_block,
                   block_size=4, device="cpu",
-                  speculative=SpeculativeConfig(method="draft_model", num_tokens=3, draft_model=draft),
+                  speculative=SpeculativeConfig(method="draft_model", num_tokens=gamma, draft_model=draft,
+                                                draft_length=draft_length),
                   **kw)
 
 
@@ -165,12 +169,12 @@ def test_cached_generated_blocks_hold_no_rejected_kv(model_dirs, hf_oracle, tmp_
     blocks the first one generated: prompt plus answer fill whole blocks, so the last of them ends
     with the answer's last token, whose slot only ever held what a verification pass wrote there.
     Any slot the engine counted as computed while it held a rejected draft's K/V changes the
-    second answer."""
+    second answer. Draft lengths are fixed: the controller would stop drafting with such a draft."""
     if method == "draft_model":
         wrong = build_model("llama", tmp_path / "wrong", seed=7, num_hidden_layers=1)
-        eng = draft_engine(model_dirs["llama"], wrong)
+        eng = draft_engine(model_dirs["llama"], wrong, draft_length="fixed")
     else:
-        eng = spec_engine(model_dirs["llama"], k=1, gamma=3)
+        eng = spec_engine(model_dirs["llama"], k=1, gamma=3, draft_length="fixed")
     for seed, length in ((46, 8), (47, 12), (48, 16)):  # length + 24 answer tokens: whole blocks
         [prompt, question] = prompts(seed, [length, 5])
         first = eng.generate([prompt], GREEDY)[0]
@@ -201,3 +205,69 @@ def test_draft_store_follows_prefix_hits_and_preemption(model_dirs, hf_oracle, p
 def test_draft_model_must_share_the_vocabulary(model_dirs, vlm_dirs):
     with pytest.raises(ValueError, match="vocabulary"):
         draft_engine(model_dirs["llama"], vlm_dirs["llava"])
+
+
+class FrozenCosts(PassCosts):
+    """The controller's cost model fitted to scripted passes (seconds as a function of rows, for
+    1 to 256 rows) and then frozen, so that its choices depend on acceptance alone and a test
+    runs the same however loaded the machine is."""
+
+    def __init__(self, **script: Callable[[int], float]) -> None:
+        super().__init__()
+        for kind, seconds in script.items():
+            for rows in (1, 4, 16, 64, 256):
+                super().observe(kind, rows, 16 * rows, seconds(rows))
+
+    def observe(self, kind: str, rows: int, context: int, seconds: float) -> None:
+        """Measured passes teach it nothing."""
+
+
+@pytest.fixture(scope="module")
+def damped_pair(model_dirs, tmp_path_factory):
+    """The tiny Llama with its second layer's output projections scaled by 0.3, so that its first
+    layer (early exit after layer 1, or the same layer saved as a draft model) is right about a
+    third of the time; the draft; and transformers' greedy continuation, memoised."""
+    root = tmp_path_factory.mktemp("damped")
+    model = load_hf(model_dirs["llama"])
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight.mul_(0.3)
+        model.model.layers[1].mlp.down_proj.weight.mul_(0.3)
+    model.save_pretrained(root / "target")
+    memo: dict[tuple[int, ...], list[int]] = {}
+
+    def oracle(prompt: list[int]) -> list[int]:
+        if tuple(prompt) not in memo:
+            memo[tuple(prompt)] = hf_greedy(model, prompt, 24)
+        return memo[tuple(prompt)]
+
+    draft = load_hf(root / "target")
+    draft.model.layers = draft.model.layers[:1]
+    draft.config.num_hidden_layers = 1
+    draft.save_pretrained(root / "draft")
+    return root / "target", root / "draft", oracle
+
+
+@pytest.mark.parametrize("method", ["early_exit", "draft_model"])
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_controlled_draft_lengths_keep_greedy_output_at_every_batch_size(damped_pair, method, batch):
+    """With the controller choosing each sequence's draft length (0 included) every step, output
+    equals transformers' and plain decoding's. Batch 1 serves three requests one at a time."""
+    target, draft, oracle = damped_pair
+    batch_prompts = prompts(60 + batch, [4 + (7 * i) % 23 for i in range(max(batch, 3))])
+    if method == "early_exit":
+        eng = spec_engine(target, k=1, gamma=6, max_num_seqs=batch)
+    else:
+        eng = draft_engine(target, draft, gamma=6, max_num_seqs=batch)
+    eng.speculator.controller.costs = FrozenCosts(draft=lambda r: 0.1 + 0.01 * r,
+                                                  verify=lambda r: 1 + 0.02 * r,
+                                                  plain=lambda r: 1 + 0.02 * r)
+    outs = eng.generate(batch_prompts, GREEDY)
+    plain = Engine(target, kv_cache_memory=1024 * BLOCK_BYTES, host_kv_memory=1 << 20,
+                   block_size=4, device="cpu", max_num_seqs=batch).generate(batch_prompts, GREEDY)
+    for p, o, q in zip(batch_prompts, outs, plain):
+        assert o.token_ids == q.token_ids == oracle(p)
+    stats = eng.stats()
+    assert stats["spec_drafted_tokens"] > 0 and stats["spec_zero_drafts"] > 0
+    assert 0 < stats["spec_acceptance_rate"] < 1 and stats["blocks_in_use"] == 0
+    if batch > 1:  # the controller gave different sequences different lengths
+        assert stats["spec_seq_mean_draft_length_min"] < stats["spec_seq_mean_draft_length_max"]

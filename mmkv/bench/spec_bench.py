@@ -1,13 +1,18 @@
-"""Speculative decoding on the bundled model: plain decoding against early exit (and a draft
-model when one is given), at batch 1 and batch 8, with transformers' assisted generation on the
-same weights as the peer.
+"""Speculative decoding on the bundled model: plain decoding against early exit and the bundled
+draft model, each with the draft-length controller on, at batch sizes 1, 8 and 32, with
+transformers' assisted generation on the same weights as the peer.
 
-Workloads: scene descriptions (``describe the scene.``, ~46 answer tokens) and document summaries
-(``summarise the report.``, ~25 tokens), greedy. transformers runs the document summaries (its
-Mllama text model takes no image without the cross-attention plumbing), at batch 1, the only
-batch size its assisted generation supports. Every greedy variant must give the same outputs.
-Every timing is the best of ``--repeats`` runs (mmkv on a fresh engine each time), taken with the
-garbage collector paused (``mmkv.bench.timed``).
+Workloads: scene descriptions (``describe the scene.``, ~46 answer tokens) and report summaries
+(``summarise the report.``, ~25 tokens), greedy. Every cell of {scenes, summaries} x {1, 8, 32} x
+{early exit, draft model} is a speedup over plain decoding of the same prompts at the same batch
+size in the same run; ``min_speedup`` is the least of them. Batch 1 serves the first
+``--batch1-requests`` prompts one at a time, batches 8 and 32 serve all ``--requests``.
+transformers runs the batch-1 summaries (its Mllama text model takes no image without the
+cross-attention plumbing), the only batch size its assisted generation supports. Every greedy
+variant must give the same outputs. Every timing is the best of ``--repeats`` runs (mmkv on a
+fresh engine each time, so the controller learns afresh), taken with the garbage collector paused
+(``mmkv.bench.timed``). The chart is the speedup against the batch size, one line per method and
+workload.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ DRAFT_MODEL = BUNDLED_MODEL.parent / "tiny-draft"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL)
     p.add_argument("--draft", type=Path, default=DRAFT_MODEL)
-    p.add_argument("--requests", type=int, default=16, help="per workload")
+    p.add_argument("--requests", type=int, default=32, help="per workload, served at batch 8 and 32")
+    p.add_argument("--batch1-requests", type=int, default=8, help="per workload, served one at a time")
+    p.add_argument("--batches", default="1,8,32", help="batch sizes")
     p.add_argument("--num-tokens", type=int, default=BUNDLED_SPECULATION["num_tokens"],
                    help="most draft tokens per round")
     p.add_argument("--early-exit-layer", type=int, default=None,
@@ -43,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive-threshold", type=float, default=BUNDLED_SPECULATION["adaptive_threshold"],
                    help="stop a round's drafting once the draft's top probability falls below this "
                         "(transformers' assisted generation stops at 0.4 by default); 0: never")
-    p.add_argument("--sweep", default="1,2,4,8,12,16,24,32", help="draft lengths for the chart")
+    p.add_argument("--draft-length", choices=("auto", "fixed"), default="auto",
+                   help="auto: the controller chooses each sequence's draft length every step")
     p.add_argument("--chart", type=Path, default=Path("spec_speedup.png"))
     p.add_argument("--repeats", type=int, default=3,
                    help="runs of every timed variant; the fastest counts (timings here vary by ~10%%)")
@@ -55,16 +63,17 @@ def workloads(n: int, seed: int) -> dict[str, list]:
     scenes = [{"prompt": scene_prompt("describe the scene."), "images": [random_scene(rng).render()]}
               for _ in range(n)]
     docs = [document_prompt(random_report(rng), "summarise the report.") for _ in range(n)]
-    return {"scenes": scenes, "documents": docs}
+    return {"scenes": scenes, "summaries": docs}
 
 
 def timed_mmkv(model: Path, prompts: list, batch: int, speculative: SpeculativeConfig | None,
                repeats: int):
     """Generated tokens, seconds and stats for ``prompts`` served ``batch`` at a time: the best of
-    ``repeats`` runs, each on a fresh engine (so a fresh cache)."""
+    ``repeats`` runs, each on a fresh engine (so a fresh cache and controller)."""
     best = None
     for _ in range(repeats):
-        engine = Engine(model, kv_cache_memory="256MiB", host_kv_memory="16MiB", speculative=speculative)
+        engine = Engine(model, kv_cache_memory="256MiB", host_kv_memory="16MiB", speculative=speculative,
+                        max_num_seqs=batch)
         engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
         outs, seconds = timed(lambda: [o for i in range(0, len(prompts), batch)
                                        for o in engine.generate(prompts[i:i + batch], PARAMS)])
@@ -99,50 +108,70 @@ def tokens(outs: list[list[int]]) -> int:
 def run(args: argparse.Namespace) -> dict:
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
+    batches = [int(b) for b in args.batches.split(",")]
     loads = workloads(args.requests, args.seed)
-    everything = loads["scenes"] + loads["documents"]
-    configs = {"plain": None, "early_exit": _early_exit(args, args.num_tokens)}
+    configs = {"plain": None, "early_exit": SpeculativeConfig(
+        num_tokens=args.num_tokens, early_exit_layer=args.early_exit_layer,
+        adaptive_threshold=args.adaptive_threshold or None, draft_length=args.draft_length)}
     if args.draft.exists():
         configs["draft"] = SpeculativeConfig(method="draft_model", num_tokens=args.num_tokens,
-                                             draft_model=args.draft,
+                                             draft_model=args.draft, draft_length=args.draft_length,
                                              adaptive_threshold=args.adaptive_threshold or None)
     result: dict = {}
-    outputs: dict[str, list] = {}
-    ours: dict = {}  # batch-1 document runs: what transformers also serves
-    for batch in (1, 8):
-        rates = {}
-        for name, config in configs.items():
-            per_load = {load: timed_mmkv(args.model, prompts, batch, config, args.repeats)
-                        for load, prompts in loads.items()}
-            outs = [o for load in loads for o in per_load[load][0]]
-            seconds = sum(s for _, s, _ in per_load.values())
-            stats = _merged_stats([st for _, _, st in per_load.values()])
-            outputs[f"{name}_b{batch}"] = outs
-            if batch == 1:
-                ours[name] = per_load["documents"]
-            rates[name] = tokens(outs) / seconds
-            for load, (o, s, _) in per_load.items():
-                rates[f"{name}_{load}"] = tokens(o) / s
-            result[f"tokens_per_s_{name}_b{batch}"] = round(rates[name], 1)
-            result[f"peak_blocks_{name}_b{batch}"] = max(st["peak_blocks_in_use"]
-                                                         for _, _, st in per_load.values())
-            if config is not None:
-                result[f"speedup_{name}_b{batch}"] = round(rates[name] / rates["plain"], 2)
-                for load in loads:
-                    result[f"speedup_{name}_{load}_b{batch}"] = round(
-                        rates[f"{name}_{load}"] / rates[f"plain_{load}"], 2)
-                result[f"acceptance_rate_{name}_b{batch}"] = stats["spec_acceptance_rate"]
+    equal = True
+    ours: dict = {}  # batch-1 summaries: what transformers also serves
+    for batch in batches:
+        subset = {load: prompts[:args.batch1_requests] if batch == 1 else prompts
+                  for load, prompts in loads.items()}
+        runs = {(name, load): timed_mmkv(args.model, subset[load], batch, config, args.repeats)
+                for name, config in configs.items() for load in loads}
+        for (name, load), (outs, seconds, stats) in runs.items():
+            equal &= outs == runs["plain", load][0]
+            if name == "plain":
+                continue
+            plain_outs, plain_seconds, _ = runs["plain", load]
+            cell = f"{name}_{load}_b{batch}"
+            result[f"speedup_{cell}"] = round(plain_seconds / seconds * tokens(outs) / tokens(plain_outs), 2)
+            result[f"acceptance_rate_{cell}"] = stats["spec_acceptance_rate"]
+            result[f"zero_draft_fraction_{cell}"] = round(stats["spec_zero_drafts"] / max(1, stats["spec_decisions"]), 3)
+            result[f"mean_draft_length_{cell}"] = stats["spec_seq_mean_draft_length_mean"]
+            if batch == 1 and load == "summaries":
+                ours[name] = outs, seconds
+        for name in configs:
+            result[f"tokens_per_s_{name}_b{batch}"] = round(
+                sum(tokens(runs[name, load][0]) for load in loads)
+                / sum(runs[name, load][1] for load in loads), 1)
+            result[f"peak_blocks_{name}_b{batch}"] = max(runs[name, load][2]["peak_blocks_in_use"] for load in loads)
+            if name != "plain":
+                result[f"speedup_{name}_b{batch}"] = round(result[f"tokens_per_s_{name}_b{batch}"]
+                                                           / result[f"tokens_per_s_plain_b{batch}"], 2)
+                stats = _merged_stats([runs[name, load][2] for load in loads])
                 result[f"mean_tokens_per_round_{name}_b{batch}"] = stats["spec_mean_tokens_per_round"]
-                result[f"target_passes_{name}_b{batch}"] = stats["spec_rounds"]
-    result["acceptance_rate_early_exit"] = result["acceptance_rate_early_exit_b1"]
-    # Blocks the early-exit draft holds beyond plain decoding at the peak of the same workload:
-    # its K/V is the target's own, so only the slots reserved for a round's drafts count.
-    result["draft_extra_blocks_early_exit"] = (result["peak_blocks_early_exit_b8"]
-                                               - result["peak_blocks_plain_b8"])
+    cells = {k: v for k, v in result.items()
+             if k.startswith("speedup_") and any(f"_{load}_b" in k for load in loads)}
+    result["min_speedup"] = min(cells.values())
+    result["min_speedup_cell"] = min(cells, key=cells.get)[len("speedup_"):]
+    if "plain" in configs and len(batches) > 1:
+        # Blocks the early-exit draft holds beyond plain decoding at the peak of the same workload:
+        # its K/V is the target's own, so only the slots reserved for a round's drafts count.
+        result["draft_extra_blocks_early_exit"] = (result[f"peak_blocks_early_exit_b{batches[1]}"]
+                                                   - result[f"peak_blocks_plain_b{batches[1]}"])
+    if 1 in batches:
+        equal &= _against_transformers(args, loads["summaries"][:args.batch1_requests], ours, result)
+    result["outputs_equal"] = equal
+    _chart(args.chart, batches, result, [n for n in configs if n != "plain"], list(loads))
+    result["requests_per_workload"] = {"b1": args.batch1_requests, "other": args.requests}
+    result["settings"] = {"num_tokens": args.num_tokens,
+                          "early_exit_layer": args.early_exit_layer or _early_exit_layer(args.model),
+                          "adaptive_threshold": args.adaptive_threshold or None,
+                          "draft_length": args.draft_length}
+    return result
 
-    # transformers on the same weights: the language model of the bundled VLM, document summaries.
-    docs = loads["documents"]
-    first_doc = len(loads["scenes"])
+
+def _against_transformers(args: argparse.Namespace, docs: list[str], ours: dict, result: dict) -> bool:
+    """transformers on the same weights (the bundled VLM's language model), batch-1 summaries:
+    plain and assisted generation. Adds the speed ratios to ``result``; returns whether every
+    output agrees with transformers' plain greedy output."""
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     target = MmkvVLM.from_pretrained(args.model).language_model
     hf_plain, hf_plain_s = timed_hf(target, docs, tokenizer, args.repeats)
@@ -154,38 +183,22 @@ def run(args: argparse.Namespace) -> dict:
         result["hf_assisted_early_exit_error"] = f"{type(err).__name__}: {err}"
     if args.draft.exists():
         draft = AutoModelForCausalLM.from_pretrained(args.draft).eval()
-        hf["hf_assisted_draft"] = timed_hf(target, docs, tokenizer, args.repeats,
-                                             assistant_model=draft)
+        hf["hf_assisted_draft"] = timed_hf(target, docs, tokenizer, args.repeats, assistant_model=draft)
     result["tokens_per_s_hf_plain_b1"] = round(tokens(hf_plain) / hf_plain_s, 1)
     for name, (outs, seconds) in hf.items():
         result[f"tokens_per_s_{name}_b1"] = round(tokens(outs) / seconds, 1)
-    best_ours = max(tokens(o) / s for o, s, _ in ours.values())
-    best_hf = max(tokens(o) / s for o, s in hf.values())
+    best_ours = max(tokens(o) / s for o, s in ours.values())
     result["speedup_vs_hf_plain_b1"] = round(best_ours / (tokens(hf_plain) / hf_plain_s), 2)
-    result["speedup_vs_hf_assisted_b1"] = round(best_ours / best_hf, 2)
-    for name in ("early_exit", "draft"):
-        peer = {"early_exit": "hf_assisted_early_exit", "draft": "hf_assisted_draft"}[name]
+    if hf:
+        result["speedup_vs_hf_assisted_b1"] = round(best_ours / max(tokens(o) / s for o, s in hf.values()), 2)
+    for name, peer in (("early_exit", "hf_assisted_early_exit"), ("draft", "hf_assisted_draft")):
         if name in ours and peer in hf:
-            o, s, _ = ours[name]
+            o, s = ours[name]
             result[f"speedup_{name}_vs_{peer}_b1"] = round((tokens(o) / s) / (tokens(hf[peer][0]) / hf[peer][1]), 2)
     eos = tokenizer.eos_token_id
     reference = [_until_eos(o, eos) for o in hf_plain]
-    mmkv_variants = list(outputs.values())
-    docs_variants = [o[first_doc:] for o in mmkv_variants] + [o for o, _, _ in ours.values()] \
-        + [o for o, _ in hf.values()]
-    result["outputs_equal"] = (all(v == mmkv_variants[0] for v in mmkv_variants)
-                               and all([_until_eos(x, eos) for x in v] == reference for v in docs_variants))
-    result["sweep_early_exit_b1"] = _sweep(args, everything)
-    result["requests_per_workload"] = args.requests
-    result["settings"] = {"num_tokens": args.num_tokens,
-                          "early_exit_layer": args.early_exit_layer or _early_exit_layer(args.model),
-                          "adaptive_threshold": args.adaptive_threshold or None}
-    return result
-
-
-def _early_exit(args: argparse.Namespace, num_tokens: int) -> SpeculativeConfig:
-    return SpeculativeConfig(num_tokens=num_tokens, early_exit_layer=args.early_exit_layer,
-                             adaptive_threshold=args.adaptive_threshold or None)
+    variants = [o for o, _ in ours.values()] + [o for o, _ in hf.values()]
+    return all([_until_eos(x, eos) for x in v] == reference for v in variants)
 
 
 def _merged_stats(stats: list[dict]) -> dict:
@@ -203,27 +216,25 @@ def _early_exit_layer(model: Path) -> int:
     return read_config_json(model)["early_exit_layer"]
 
 
-def _sweep(args: argparse.Namespace, prompts: list) -> dict[str, float]:
-    """Batch-1 speedup of early exit for each draft length; drawn to ``args.chart``."""
+def _chart(path: Path, batches: list[int], result: dict, methods: list[str], loads: list[str]) -> None:
+    """Speedup over plain decoding against the batch size, one line per method and workload."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    subset = prompts[:: max(1, len(prompts) // 8)]
-    _, plain_s, _ = timed_mmkv(args.model, subset, 1, None, args.repeats)
-    gammas = [int(g) for g in args.sweep.split(",")]
-    speedups = {}
-    for g in gammas:
-        _, s, _ = timed_mmkv(args.model, subset, 1, _early_exit(args, g), args.repeats)
-        speedups[str(g)] = round(plain_s / s, 2)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(gammas, [speedups[str(g)] for g in gammas], marker="o", label="early exit, batch 1")
+    labels = {"early_exit": "early exit", "draft": "draft model"}
+    for name in methods:
+        for load in loads:
+            ax.plot(batches, [result[f"speedup_{name}_{load}_b{b}"] for b in batches], marker="o",
+                    linestyle="-" if name == "early_exit" else "--", label=f"{labels[name]}, {load}")
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xlabel("draft tokens per round")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size")
     ax.set_ylabel("speedup over plain decoding")
-    ax.set_title("mmkv speculative decoding (bundled model)")
+    ax.set_title("mmkv speculative decoding, draft lengths by the controller (bundled model)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.chart, dpi=100)
-    return speedups
+    fig.savefig(path, dpi=100)

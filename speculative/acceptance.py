@@ -1,0 +1,106 @@
+"""How often a sequence's drafts get proposed and accepted, per position in the round, smoothed.
+
+For position ``j`` of a round (the ``j``-th draft token, 1-based) two conditional rates:
+
+* ``proposed``: the draft proposes token ``j`` given it proposed token ``j - 1`` (below 1 only
+  when a confidence threshold stops drafting: the draft's own estimate of acceptance);
+* ``accepted``: the target accepts token ``j`` given it was proposed and ``j - 1`` was accepted.
+
+Each is a decayed count of hits over trials (a round's outcomes weigh ``1``, the previous round's
+``decay``, and so on), shrunk toward the engine-wide rate of that position with the weight of
+``SHRINK`` trials; the engine-wide rate is shrunk toward 1 with the weight of ``PRIOR`` trials, so
+an untried draft is tried. Positions a round did not reach are not observed: a rate is
+conditional on reaching its position.
+
+Invariant: every rate is in ``[0, 1]``; an observation changes only its sequence's counts and the
+engine-wide ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SEQUENCE_DECAY = 0.9  # per round of the sequence
+ENGINE_DECAY = 0.98  # per sequence-round observed engine-wide
+SHRINK = 0.5  # trials' weight of the engine-wide rate in a sequence's rate
+PRIOR = 1.0  # trials' weight of the optimistic prior (rate 1) in the engine-wide rate
+
+
+@dataclass(slots=True)
+class DecayedRate:
+    """Decayed hits and trials per position."""
+
+    hits: list[float]
+    trials: list[float]
+
+    @classmethod
+    def empty(cls, positions: int) -> DecayedRate:
+        return cls([0.0] * positions, [0.0] * positions)
+
+    def observe(self, outcomes: list[bool], decay: float) -> None:
+        """One round's outcomes at positions 1, 2, ... (as far as the round reached)."""
+        if decay != 1.0:
+            self.hits = [h * decay for h in self.hits]
+            self.trials = [t * decay for t in self.trials]
+        for j, hit in enumerate(outcomes):
+            self.trials[j] += 1.0
+            self.hits[j] += hit
+
+    def rate(self, j: int, prior: float, weight: float) -> float:
+        """The rate at position ``j + 1`` shrunk toward ``prior`` with ``weight`` trials."""
+        return (self.hits[j] + weight * prior) / (self.trials[j] + weight)
+
+
+@dataclass(slots=True)
+class DraftHistory:
+    """One sequence's drafting record: its smoothed rates and what it drafted."""
+
+    proposed: DecayedRate
+    accepted: DecayedRate
+    decisions: int = 0  # steps the controller chose a draft length for it
+    zero: int = 0  # ... of which it chose 0
+    drafted: int = 0  # draft tokens proposed over those steps
+
+
+@dataclass(slots=True)
+class AcceptanceModel:
+    """Engine-wide rates and every sequence's history."""
+
+    positions: int
+    proposed: DecayedRate = field(init=False)
+    accepted: DecayedRate = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.proposed = DecayedRate.empty(self.positions)
+        self.accepted = DecayedRate.empty(self.positions)
+
+    def new_history(self) -> DraftHistory:
+        return DraftHistory(DecayedRate.empty(self.positions), DecayedRate.empty(self.positions))
+
+    def observe(self, history: DraftHistory, chosen: int, proposed: int, accepted: int,
+                confidence_stop: bool) -> None:
+        """A round in which the sequence was allowed ``chosen`` drafts, proposed ``proposed``
+        (fewer when its confidence fell below the threshold, or it drafted a token ending it) and
+        the target accepted ``accepted`` of them."""
+        history.drafted += proposed
+        if chosen == 0:
+            return
+        went_on = [True] * proposed + ([False] if confidence_stop else [])
+        kept = [True] * accepted + ([False] if accepted < proposed else [])
+        for mine, everyone, outcomes in ((history.proposed, self.proposed, went_on),
+                                         (history.accepted, self.accepted, kept)):
+            mine.observe(outcomes, SEQUENCE_DECAY)
+            everyone.observe(outcomes, ENGINE_DECAY)
+
+    def engine_rates(self) -> tuple[list[float], list[float]]:
+        """The engine-wide ``proposed`` and ``accepted`` rates at every position."""
+        return tuple([r.rate(j, 1.0, PRIOR) for j in range(self.positions)]
+                     for r in (self.proposed, self.accepted))
+
+    @staticmethod
+    def rates(history: DraftHistory, limit: int,
+              everyone: tuple[list[float], list[float]]) -> tuple[list[float], list[float]]:
+        """The sequence's ``proposed`` and ``accepted`` rates at positions ``1..limit``, shrunk
+        toward ``everyone`` (``engine_rates()``)."""
+        return tuple([(mine.hits[j] + SHRINK * prior[j]) / (mine.trials[j] + SHRINK) for j in range(limit)]
+                     for mine, prior in ((history.proposed, everyone[0]), (history.accepted, everyone[1])))

@@ -1,0 +1,158 @@
+"""Each sequence's draft length for the next round, 0 included, from measured costs and acceptance.
+
+The model. A step decodes ``B`` sequences (context lengths ``n_b``). Decoding them plainly yields
+``B`` tokens in one pass costing ``T_plain(B)``. A speculative round in which sequence ``b`` may
+draft up to ``g_b`` tokens runs draft passes ``i = 0, 1, ...`` (pass 0 reads every pending token;
+pass ``i`` carries every sequence that proposed its ``i``-th draft) and one verification pass over
+each sequence's pending token and proposals. With the sequence's smoothed per-position rates
+(``speculative.acceptance``: ``c_j`` it proposes the ``j``-th draft, ``a_j`` the target accepts it)
+
+    D_bj = c_b1 ... c_bj      (it proposes a j-th draft)
+    A_bj = a_b1 ... a_bj      (the first j proposals are all accepted, given proposed)
+    tokens      = sum_b (1 + sum_{j <= g_b} D_bj A_bj)
+    draft pass i, i >= 1:   rows_i = sum_{b: g_b >= i} D_bi, run with probability 1 - prod (1 - D_bi)
+    verification rows       = sum_b (1 + sum_{j <= g_b} D_bj)
+
+and the cost of each pass from ``speculative.costs`` (a fixed part and a part per row and per
+context token, fitted online per kind of pass: plain, draft, verify). The round's goodput is
+expected tokens per expected second; plain decoding's is ``B / T_plain(B)``.
+
+The choice. A ``j``-th draft of sequence ``b`` adds ``D_bj A_bj`` expected tokens for
+``D_bj (m_draft + m_verify)`` seconds (one more row in a draft pass and in verification), so at a
+goodput ``R`` it pays while ``A_bj >= R (m_draft + m_verify)``: that gives each sequence its horizon
+``h_b``. A round of length ``L`` gives sequence ``b`` the cap ``min(L, h_b)``; every ``L`` from 1 to
+the longest horizon is priced with the passes' fixed costs, so a round stops before the longest
+horizon when its last passes carry too few rows to pay for themselves. ``R`` starts at plain
+decoding's goodput and is raised to the best round's once (Dinkelbach's iteration). The best round
+is taken if it beats plain decoding, otherwise every sequence drafts 0 and the step decodes
+plainly; as a batch shrinks, rows cost less than a pass's fixed part and speculation returns.
+
+Before it has timed ``EXPLORE`` verification passes and ``EXPLORE`` plain steps the controller
+explores: it drafts each sequence's limit, then decodes plainly. A draft length chosen from past
+rounds only (never from the round's own outcomes) leaves verification exact.
+
+Invariant: a chosen length is in ``[0, limit]``; with ``fixed`` it is the limit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+from speculative.acceptance import AcceptanceModel, DraftHistory
+from speculative.costs import PassCosts
+
+EXPLORE = 2
+HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
+
+
+class DraftLengthController:
+    """Chooses draft lengths and learns from every pass it is told about.
+
+    Guarantees: ``choose`` returns one length per sequence within its limit; with
+    ``fixed=True`` every sequence drafts its limit (the costs and rates are still learned)."""
+
+    def __init__(self, positions: int, fixed: bool = False,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.positions, self.fixed, self.clock = positions, fixed, clock
+        self.costs = PassCosts()
+        self.acceptance = AcceptanceModel(positions)
+        self.decisions = 0  # draft lengths chosen (one per sequence and step)
+        self.zero = 0  # ... of which 0
+        self.plain_steps = 0  # steps in which every candidate drafted 0
+        self.histories: deque[DraftHistory] = deque(maxlen=HISTORIES_KEPT)
+
+    def new_history(self) -> DraftHistory:
+        history = self.acceptance.new_history()
+        self.histories.append(history)
+        return history
+
+    def choose(self, histories: list[DraftHistory], limits: list[int],
+               lengths: list[int]) -> list[int]:
+        """Draft lengths for sequences of context ``lengths`` that may draft up to ``limits``."""
+        caps = list(limits) if self.fixed else self._caps(histories, limits, lengths)
+        for history, cap in zip(histories, caps):
+            history.decisions += 1
+            history.zero += cap == 0
+        self.decisions += len(caps)
+        self.zero += caps.count(0)
+        self.plain_steps += not any(caps)
+        return caps
+
+    def summary(self) -> dict[str, float]:
+        """How often it drafted 0, and each sequence's mean draft length (drafts proposed per
+        step it decided for), summarised over the last ``HISTORIES_KEPT`` sequences."""
+        means = [h.drafted / h.decisions for h in self.histories if h.decisions]
+        return {"spec_decisions": self.decisions, "spec_zero_drafts": self.zero,
+                "spec_plain_steps": self.plain_steps,
+                "spec_seq_mean_draft_length_min": round(min(means), 4) if means else 0.0,
+                "spec_seq_mean_draft_length_mean": round(sum(means) / len(means), 4) if means else 0.0,
+                "spec_seq_mean_draft_length_max": round(max(means), 4) if means else 0.0}
+
+    def observe_round(self, history: DraftHistory, chosen: int, proposed: int, accepted: int,
+                      confidence_stop: bool) -> None:
+        self.acceptance.observe(history, chosen, proposed, accepted, confidence_stop)
+
+    def observe_pass(self, kind: str, rows: int, context: int, seconds: float) -> None:
+        self.costs.observe(kind, rows, context, seconds)
+
+    def _caps(self, histories: list[DraftHistory], limits: list[int],
+              lengths: list[int]) -> list[int]:
+        if not any(limits):
+            return [0] * len(limits)
+        if self.costs.count("verify") < EXPLORE:
+            return list(limits)
+        if self.costs.count("plain") < EXPLORE:
+            return [0] * len(limits)
+        costs, batch, context = self.costs, len(limits), sum(lengths)
+        plain = batch / costs.predict("plain", batch, context)
+        everyone = self.acceptance.engine_rates()
+        curves = [_curves(*self.acceptance.rates(h, limit, everyone)) for h, limit in zip(histories, limits)]
+        per_row = [costs.variable("draft", 1, n) + costs.variable("verify", 1, n) for n in lengths]
+        best, caps, goal = plain, [0] * batch, plain
+        for _ in range(2):
+            horizons = [sum(1 for x in accepted if x >= goal * m)
+                        for (_, accepted, _), m in zip(curves, per_row)]
+            rate, length = self._best_round(curves, horizons, lengths)
+            if rate <= best:
+                break
+            best, goal = rate, rate
+            caps = [min(length, h) for h in horizons]
+        return caps
+
+    def _best_round(self, curves, horizons: list[int], lengths: list[int]) -> tuple[float, int]:
+        """The best goodput of a round of length ``L`` (caps ``min(L, h_b)``) and that ``L``."""
+        costs, batch, context = self.costs, len(lengths), sum(lengths)
+        fixed = costs.fixed("draft")
+        seconds = costs.predict("draft", batch, context)  # pass 0
+        tokens, rows, attended = float(batch), float(batch), float(context)
+        best = (0.0, 0)
+        for i in range(1, max(horizons, default=0) + 1):
+            n = ctx = gain = 0.0
+            idle = 1.0
+            for (proposes, _, accepts), h, length in zip(curves, horizons, lengths):
+                if h >= i:
+                    d = proposes[i - 1]
+                    n += d
+                    ctx += d * (length + i)
+                    gain += accepts[i - 1]
+                    idle *= 1.0 - d
+            seconds += (1.0 - idle) * fixed + costs.variable("draft", n, ctx)
+            tokens, rows, attended = tokens + gain, rows + n, attended + ctx
+            rate = tokens / (seconds + costs.predict("verify", rows, attended))
+            if rate > best[0]:
+                best = (rate, i)
+        return best
+
+
+def _curves(proposed: list[float], accepted: list[float]) -> tuple[list[float], list[float], list[float]]:
+    """Cumulative products: it proposes a j-th draft; the first j proposals are all accepted; both."""
+    d = a = 1.0
+    out: tuple[list[float], list[float], list[float]] = ([], [], [])
+    for c, r in zip(proposed, accepted):
+        d, a = d * c, a * r
+        out[0].append(d)
+        out[1].append(a)
+        out[2].append(d * a)
+    return out

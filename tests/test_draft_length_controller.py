@@ -1,0 +1,161 @@
+"""The draft-length controller on scripted drafts with scripted costs: it drafts 0 for a draft that
+is always wrong, long for one that is always right, different lengths in one mixed batch, and stops
+speculating when a large batch makes verification cost more than it saves, coming back when the
+batch shrinks. The scripted passes move a virtual clock, so every choice is reproducible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmkv import SamplingParams
+from mmkv.sequence import Sequence
+from mmkv.speculation import Speculator
+from speculative import DraftLengthController, SpeculativeConfig
+from speculative.costs import LinearFit
+
+VOCAB = 16
+LIMIT = 8
+
+
+def target(position: int) -> int:
+    """The target's token at ``position`` of every sequence."""
+    return (position * 5 + 3) % VOCAB
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ScriptedPair(Speculator):
+    """A target that writes ``target(position)`` and a draft that agrees with it where
+    ``right(seq_id, position)``; each pass moves the clock by its scripted cost (rows -> ms)."""
+
+    def __init__(self, right, draft_cost, verify_cost) -> None:
+        self.clock = VirtualClock()
+        super().__init__(None, SpeculativeConfig(num_tokens=LIMIT), None, clock=self.clock)
+        self.right, self.draft_cost, self.verify_cost = right, draft_cost, verify_cost
+
+    def _one_hot(self, token: int) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.tensor(token), VOCAB).float()
+
+    def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
+        self.clock.now += self.draft_cost(len(seqs))
+        rows = [self._one_hot((target(kv_lens[r]) + (0 if self.right(seqs[r].seq_id, kv_lens[r]) else 1)) % VOCAB)
+                for r in drafting]
+        return torch.stack(rows) if rows else None
+
+    def _verify_logits(self, seqs, gammas, drafts, lens):
+        self.clock.now += self.verify_cost(sum(g + 1 for g in gammas))
+        return torch.stack([self._one_hot(target(n + j)) for n, g in zip(lens, gammas)
+                            for j in range(g + 1)])
+
+
+def sequences(n: int) -> list[Sequence]:
+    return [Sequence(seq_id=i, request_id=i, index=0, token_ids=[target(0), target(1)], prompt_len=2,
+                     params=SamplingParams(max_tokens=10_000), arrival=i, namespace=b"", generator=None)
+            for i in range(n)]
+
+
+def decode(spec: ScriptedPair, seqs: list[Sequence], steps: int, plain_cost) -> list[list[int]]:
+    """Run ``steps`` engine-like steps: the controller's lengths, then a round or a plain step.
+    Returns the lengths chosen at each step."""
+    chosen = []
+    for _ in range(steps):
+        gammas = spec.plan(seqs, [LIMIT] * len(seqs))
+        chosen.append(gammas)
+        if any(gammas):
+            for seq, verdict in zip(seqs, spec.round(seqs, gammas, [set()] * len(seqs))):
+                seq.token_ids += verdict.tokens
+        else:
+            seconds = plain_cost(len(seqs))
+            spec.clock.now += seconds
+            spec.observe_plain(len(seqs), sum(len(s.token_ids) for s in seqs), seconds)
+            for seq in seqs:
+                seq.token_ids.append(target(len(seq.token_ids)))
+    for seq in seqs:  # the scripted rounds are exact: every token is the target's
+        assert seq.token_ids == [target(p) for p in range(len(seq.token_ids))]
+    return chosen
+
+
+def draft_ms(rows: int) -> float:
+    return 1.0 + 0.05 * rows
+
+
+def verify_ms(rows: int) -> float:
+    return 5.0 + 0.05 * rows
+
+
+def plain_ms(rows: int) -> float:
+    return 5.5 + 0.05 * rows
+
+
+def test_an_always_wrong_draft_drafts_nothing():
+    spec = ScriptedPair(lambda seq, pos: False, draft_ms, verify_ms)
+    chosen = decode(spec, sequences(1), 30, plain_ms)
+    assert all(g == [0] for g in chosen[6:]), chosen
+    summary = spec.summary()
+    assert summary["spec_zero_drafts"] >= 26 and summary["spec_plain_steps"] >= 26
+    assert summary["spec_accepted_tokens"] == 0
+
+
+def test_an_always_right_draft_drafts_its_limit():
+    spec = ScriptedPair(lambda seq, pos: True, draft_ms, verify_ms)
+    chosen = decode(spec, sequences(1), 30, plain_ms)
+    assert all(g == [LIMIT] for g in chosen[4:]), chosen
+    summary = spec.summary()
+    assert summary["spec_acceptance_rate"] == 1.0
+    assert summary["spec_seq_mean_draft_length_max"] > 0.8 * LIMIT
+
+
+def test_a_mixed_batch_drafts_different_lengths():
+    """Sequences 0 and 1 have a draft that is always right, 2 and 3 one that is always wrong."""
+    spec = ScriptedPair(lambda seq, pos: seq < 2, draft_ms, verify_ms)
+    chosen = decode(spec, sequences(4), 40, plain_ms)
+    late = chosen[20:]
+    assert all(g[0] == g[1] == LIMIT and g[2] == g[3] == 0 for g in late), late
+    summary = spec.summary()
+    assert summary["spec_seq_mean_draft_length_min"] < 1 < LIMIT / 2 < summary["spec_seq_mean_draft_length_max"]
+
+
+def test_a_large_batch_decodes_plainly_and_speculation_returns_when_it_shrinks():
+    """Rows are expensive (0.5 ms each in verification and plain decoding): at batch 32 a round's
+    extra verification rows cost more than its accepted drafts save; at batch 1 the pass's fixed
+    5 ms dominates and drafting (0.55 ms a pass) pays. The draft is right two positions in three."""
+    spec = ScriptedPair(lambda seq, pos: pos % 3 != 0, lambda rows: 0.5 + 0.05 * rows,
+                        lambda rows: 5.0 + 0.5 * rows)
+    seqs = sequences(32)
+    chosen = decode(spec, seqs, 25, lambda rows: 5.0 + 0.5 * rows)
+    assert all(not any(g) for g in chosen[10:]), chosen
+    chosen = decode(spec, seqs[:1], 20, lambda rows: 5.0 + 0.5 * rows)
+    assert all(g[0] > 0 for g in chosen[6:]), chosen
+
+
+def test_the_controller_times_both_paths_before_it_decides():
+    controller = DraftLengthController(4)
+    history = controller.new_history()
+    assert controller.choose([history], [3], [10]) == [3]  # nothing timed: try speculation
+    for _ in range(2):
+        controller.observe_pass("draft", 1, 10, 1.0)
+        controller.observe_pass("verify", 4, 40, 5.0)
+    assert controller.choose([history], [3], [10]) == [0]  # then time plain decoding
+    fixed = DraftLengthController(4, fixed=True)
+    assert fixed.choose([fixed.new_history()], [3], [10]) == [3]
+
+
+def test_linear_fit_recovers_a_linear_cost_and_clips_spikes():
+    fit = LinearFit(decay=1.0, ridge=1e-9)
+    for rows, context in ((1, 100), (8, 900), (32, 5000), (16, 1000), (4, 4000)):
+        fit.observe(rows, context, 2.0 + 0.25 * rows + 0.001 * context)
+    assert fit.predict(20, 3000) == pytest.approx(2.0 + 5.0 + 3.0, rel=1e-6)
+    fit.observe(20, 3000, 1000.0)  # a stall: counted as at most 3 x the prediction
+    assert fit.predict(20, 3000) < 3 * 10.0
+
+
+def test_bad_draft_length_mode_is_refused_by_name():
+    with pytest.raises(ValueError, match="draft_length"):
+        SpeculativeConfig(draft_length="sometimes")
