@@ -60,6 +60,7 @@ class DraftHistory:
     decisions: int = 0  # steps the controller chose a draft length for it
     zero: int = 0  # ... of which it chose 0
     drafted: int = 0  # draft tokens proposed over those steps
+    derived: tuple | None = None  # (model version, limit, what the controller derived from the rates)
 
 
 @dataclass(slots=True)
@@ -67,6 +68,7 @@ class AcceptanceModel:
     """Engine-wide rates and every sequence's history."""
 
     positions: int
+    version: int = 0  # counts observations: rates derived at an older version are stale
     proposed: DecayedRate = field(init=False)
     accepted: DecayedRate = field(init=False)
 
@@ -85,6 +87,7 @@ class AcceptanceModel:
         history.drafted += proposed
         if chosen == 0:
             return
+        self.version += 1
         went_on = [True] * proposed + ([False] if confidence_stop else [])
         kept = [True] * accepted + ([False] if accepted < proposed else [])
         for mine, everyone, outcomes in ((history.proposed, self.proposed, went_on),

@@ -28,7 +28,8 @@ is taken if it beats plain decoding, otherwise every sequence drafts 0 and the s
 plainly; as a batch shrinks, rows cost less than a pass's fixed part and speculation returns.
 
 Before it has timed ``EXPLORE`` verification passes and ``EXPLORE`` plain steps the controller
-explores: it drafts each sequence's limit, then decodes plainly. A draft length chosen from past
+explores: it drafts up to ``EXPLORE_LENGTH`` tokens a sequence, then decodes plainly (positions
+not yet tried keep the optimistic prior, so longer drafts are tried where acceptance is high). A draft length chosen from past
 rounds only (never from the round's own outcomes) leaves verification exact.
 
 Invariant: a chosen length is in ``[0, limit]``; with ``fixed`` it is the limit.
@@ -43,7 +44,8 @@ from typing import Callable
 from speculative.acceptance import AcceptanceModel, DraftHistory
 from speculative.costs import PassCosts
 
-EXPLORE = 2
+EXPLORE = 3
+EXPLORE_LENGTH = 4  # the most an exploring round drafts
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
 
 
@@ -102,13 +104,12 @@ class DraftLengthController:
         if not any(limits):
             return [0] * len(limits)
         if self.costs.count("verify") < EXPLORE:
-            return list(limits)
+            return [min(limit, EXPLORE_LENGTH) for limit in limits]
         if self.costs.count("plain") < EXPLORE:
             return [0] * len(limits)
         costs, batch, context = self.costs, len(limits), sum(lengths)
         plain = batch / costs.predict("plain", batch, context)
-        everyone = self.acceptance.engine_rates()
-        curves = [_curves(*self.acceptance.rates(h, limit, everyone)) for h, limit in zip(histories, limits)]
+        curves = self._curves(histories, limits)
         per_row = [costs.variable("draft", 1, n) + costs.variable("verify", 1, n) for n in lengths]
         best, caps, goal = plain, [0] * batch, plain
         for _ in range(2):
@@ -120,6 +121,17 @@ class DraftLengthController:
             best, goal = rate, rate
             caps = [min(length, h) for h in horizons]
         return caps
+
+    def _curves(self, histories: list[DraftHistory], limits: list[int]) -> list[tuple]:
+        """Each sequence's cumulative products (``_curves``), kept on its history until a round
+        is observed (a plain step changes no rate)."""
+        model, everyone, out = self.acceptance, None, []
+        for history, limit in zip(histories, limits):
+            if history.derived is None or history.derived[:2] != (model.version, limit):
+                everyone = everyone or model.engine_rates()
+                history.derived = (model.version, limit, _curves(*model.rates(history, limit, everyone)))
+            out.append(history.derived[2])
+        return out
 
     def _best_round(self, curves, horizons: list[int], lengths: list[int]) -> tuple[float, int]:
         """The best goodput of a round of length ``L`` (caps ``min(L, h_b)``) and that ``L``."""

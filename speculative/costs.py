@@ -7,9 +7,10 @@ Each kind of pass (``plain`` decoding, one ``draft`` pass, one ``verify`` pass) 
 (``rows``: the query tokens of the pass; ``context``: the tokens they attend to, summed over rows),
 by exponentially weighted least squares: every observation multiplies the past's weight by
 ``decay``, so the fit follows the batch and the contexts as they move. A small ridge term makes
-one observation enough for a usable (minimum-norm) fit. An observation more than three times the
-prediction of the last fit solved is clipped to that (a pass that met another process on a shared
-core must not teach the controller that a pass costs that much).
+one observation enough for a usable (minimum-norm) fit. Interference only ever adds time (a pass
+that met another process on a shared core), so the fit leans on the fast passes: an observation
+above the prediction of the last fit solved weighs ``SLOW_WEIGHT``, and one more than ``SPIKE``
+times that prediction counts as ``SPIKE`` times it.
 
 Invariant: every prediction is the current fit's, and positive.
 """
@@ -20,8 +21,8 @@ from dataclasses import dataclass, field
 
 KINDS = ("plain", "draft", "verify")
 ROW_SCALE, CONTEXT_SCALE = 16.0, 16384.0
-SPIKE = 3.0  # observations above SPIKE x the prediction count as SPIKE x the prediction
-SETTLED = 5  # observations before spikes are clipped
+SPIKE = 2.0  # observations above SPIKE x the prediction count as SPIKE x the prediction
+SLOW_WEIGHT = 0.25  # the weight of an observation above the prediction
 
 
 def _features(rows: float, context: float) -> tuple[float, float, float]:
@@ -41,13 +42,15 @@ class LinearFit:
     _solved: tuple[float, float, float] | None = None  # the last fit solved
 
     def observe(self, rows: float, context: float, seconds: float) -> None:
-        x, d = _features(rows, context), self.decay
-        if self.count >= SETTLED and self._solved is not None:
-            seconds = min(seconds, SPIKE * max(sum(t * f for t, f in zip(self._solved, x)), 1e-7))
+        x, d, w = _features(rows, context), self.decay, 1.0
+        if self._solved is not None:
+            expected = max(sum(t * f for t, f in zip(self._solved, x)), 1e-7)
+            if seconds > expected:
+                seconds, w = min(seconds, SPIKE * expected), SLOW_WEIGHT
         for i in range(3):
-            self.moment[i] = d * self.moment[i] + x[i] * seconds
+            self.moment[i] = d * self.moment[i] + w * x[i] * seconds
             for j in range(3):
-                self.gram[i][j] = d * self.gram[i][j] + x[i] * x[j]
+                self.gram[i][j] = d * self.gram[i][j] + w * x[i] * x[j]
         self.count += 1
         self._theta = None
 

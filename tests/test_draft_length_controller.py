@@ -12,6 +12,7 @@ from mmkv import SamplingParams
 from mmkv.sequence import Sequence
 from mmkv.speculation import Speculator
 from speculative import DraftLengthController, SpeculativeConfig
+from speculative.controller import EXPLORE
 from speculative.costs import LinearFit
 
 VOCAB = 16
@@ -97,7 +98,7 @@ def plain_ms(rows: int) -> float:
 def test_an_always_wrong_draft_drafts_nothing():
     spec = ScriptedPair(lambda seq, pos: False, draft_ms, verify_ms)
     chosen = decode(spec, sequences(1), 30, plain_ms)
-    assert all(g == [0] for g in chosen[6:]), chosen
+    assert all(g == [0] for g in chosen[2 * EXPLORE:]), chosen
     summary = spec.summary()
     assert summary["spec_zero_drafts"] >= 26 and summary["spec_plain_steps"] >= 26
     assert summary["spec_accepted_tokens"] == 0
@@ -106,7 +107,7 @@ def test_an_always_wrong_draft_drafts_nothing():
 def test_an_always_right_draft_drafts_its_limit():
     spec = ScriptedPair(lambda seq, pos: True, draft_ms, verify_ms)
     chosen = decode(spec, sequences(1), 30, plain_ms)
-    assert all(g == [LIMIT] for g in chosen[4:]), chosen
+    assert all(g == [LIMIT] for g in chosen[2 * EXPLORE:]), chosen  # after timing both paths
     summary = spec.summary()
     assert summary["spec_acceptance_rate"] == 1.0
     assert summary["spec_seq_mean_draft_length_max"] > 0.8 * LIMIT
@@ -117,7 +118,9 @@ def test_a_mixed_batch_drafts_different_lengths():
     spec = ScriptedPair(lambda seq, pos: seq < 2, draft_ms, verify_ms)
     chosen = decode(spec, sequences(4), 40, plain_ms)
     late = chosen[20:]
-    assert all(g[0] == g[1] == LIMIT and g[2] == g[3] == 0 for g in late), late
+    assert all(g[0] == g[1] == LIMIT for g in late), late
+    # the wrong ones: 0, but for a rare re-check as the costs it has measured move
+    assert sum(g[2] == g[3] == 0 for g in late) >= 0.9 * len(late), late
     summary = spec.summary()
     assert summary["spec_seq_mean_draft_length_min"] < 1 < LIMIT / 2 < summary["spec_seq_mean_draft_length_max"]
 
@@ -139,7 +142,7 @@ def test_the_controller_times_both_paths_before_it_decides():
     controller = DraftLengthController(4)
     history = controller.new_history()
     assert controller.choose([history], [3], [10]) == [3]  # nothing timed: try speculation
-    for _ in range(2):
+    for _ in range(EXPLORE):
         controller.observe_pass("draft", 1, 10, 1.0)
         controller.observe_pass("verify", 4, 40, 5.0)
     assert controller.choose([history], [3], [10]) == [0]  # then time plain decoding

@@ -271,3 +271,21 @@ def test_controlled_draft_lengths_keep_greedy_output_at_every_batch_size(damped_
     assert 0 < stats["spec_acceptance_rate"] < 1 and stats["blocks_in_use"] == 0
     if batch > 1:  # the controller gave different sequences different lengths
         assert stats["spec_seq_mean_draft_length_min"] < stats["spec_seq_mean_draft_length_max"]
+
+
+def test_a_draft_model_left_behind_by_plain_steps_catches_up(model_dirs, hf_oracle):
+    """Costs frozen so that plain decoding wins at batch 4 and speculation from batch 2 down (a
+    verification row costs as much as a plain pass's fixed part): the draft model skips the plain
+    steps and must catch up when the batch shrinks. With the target as its own draft, any
+    position of the draft's K/V not caught up shows as a rejection."""
+    batch = prompts(70, [6, 9, 12, 15])
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 10, 20, 24)]
+    eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
+    eng.speculator.controller.costs = FrozenCosts(draft=lambda r: 0.01, verify=lambda r: 0.1 + r,
+                                                  plain=lambda r: 3 + 0.01 * r)
+    outs = eng.generate(batch, params)
+    for p, o, n in zip(batch, outs, (8, 10, 20, 24)):
+        assert o.token_ids == hf_oracle("llama", p, n)
+    stats = eng.stats()
+    assert stats["spec_plain_steps"] >= 7 and stats["spec_drafted_tokens"] >= 10
+    assert stats["spec_acceptance_rate"] == 1.0 and stats["blocks_in_use"] == 0
