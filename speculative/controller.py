@@ -27,9 +27,12 @@ decoding's goodput and is raised to the best round's once (Dinkelbach's iteratio
 is taken if it beats plain decoding, otherwise every sequence drafts 0 and the step decodes
 plainly; as a batch shrinks, rows cost less than a pass's fixed part and speculation returns.
 
-Before it has timed ``EXPLORE`` verification passes and ``EXPLORE`` plain steps the controller
-explores: it drafts up to ``EXPLORE_LENGTH`` tokens a sequence, then decodes plainly (positions
-not yet tried keep the optimistic prior, so longer drafts are tried where acceptance is high). A draft length chosen from past
+Before it has timed ``EXPLORE`` verification passes the controller explores: it drafts up to
+``EXPLORE_LENGTH`` tokens a sequence (positions not yet tried keep the optimistic prior, so
+longer drafts are tried where acceptance is high). Until plain decoding has been timed its cost
+is estimated as a draft pass plus a verification pass over the same rows (what a round drafting
+nothing computes); when the best round does not beat that estimate by ``CLOSE_CALL`` the step
+decodes plainly, so the estimate is replaced by a measurement before a close call is made on it. A draft length chosen from past
 rounds only (never from the round's own outcomes) leaves verification exact.
 
 Invariant: a chosen length is in ``[0, limit]``; with ``fixed`` it is the limit.
@@ -44,8 +47,9 @@ from typing import Callable
 from speculative.acceptance import AcceptanceModel, DraftHistory
 from speculative.costs import PassCosts
 
-EXPLORE = 3
-EXPLORE_LENGTH = 4  # the most an exploring round drafts
+EXPLORE = 2
+EXPLORE_LENGTH = 2  # the most an exploring round drafts
+CLOSE_CALL = 1.5  # until plain decoding is timed, a round must promise this x its estimate
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
 
 
@@ -105,8 +109,6 @@ class DraftLengthController:
             return [0] * len(limits)
         if self.costs.count("verify") < EXPLORE:
             return [min(limit, EXPLORE_LENGTH) for limit in limits]
-        if self.costs.count("plain") < EXPLORE:
-            return [0] * len(limits)
         costs, batch, context = self.costs, len(limits), sum(lengths)
         plain = batch / costs.predict("plain", batch, context)
         curves = self._curves(histories, limits)
@@ -120,6 +122,8 @@ class DraftLengthController:
                 break
             best, goal = rate, rate
             caps = [min(length, h) for h in horizons]
+        if self.costs.count("plain") < EXPLORE and best < CLOSE_CALL * plain:
+            return [0] * batch  # a close call on an estimate: time plain decoding first
         return caps
 
     def _curves(self, histories: list[DraftHistory], limits: list[int]) -> list[tuple]:

@@ -12,7 +12,7 @@ from mmkv import SamplingParams
 from mmkv.sequence import Sequence
 from mmkv.speculation import Speculator
 from speculative import DraftLengthController, SpeculativeConfig
-from speculative.controller import EXPLORE
+from speculative.controller import EXPLORE, EXPLORE_LENGTH
 from speculative.costs import LinearFit
 
 VOCAB = 16
@@ -141,11 +141,14 @@ def test_a_large_batch_decodes_plainly_and_speculation_returns_when_it_shrinks()
 def test_the_controller_times_both_paths_before_it_decides():
     controller = DraftLengthController(4)
     history = controller.new_history()
-    assert controller.choose([history], [3], [10]) == [3]  # nothing timed: try speculation
-    for _ in range(EXPLORE):
-        controller.observe_pass("draft", 1, 10, 1.0)
+    assert controller.choose([history], [3], [10]) == [min(3, EXPLORE_LENGTH)]  # nothing timed: try
+    for _ in range(EXPLORE):  # drafting barely pays by the estimate of plain decoding (rows)
+        controller.observe_pass("draft", 1, 10, 8.0)
         controller.observe_pass("verify", 4, 40, 5.0)
-    assert controller.choose([history], [3], [10]) == [0]  # then time plain decoding
+    assert controller.choose([history], [3], [10]) == [0]  # so it times plain decoding
+    for _ in range(EXPLORE):
+        controller.observe_pass("plain", 1, 10, 20.0)
+    assert controller.choose([history], [3], [10]) == [3]  # which costs more than drafting
     fixed = DraftLengthController(4, fixed=True)
     assert fixed.choose([fixed.new_history()], [3], [10]) == [3]
 
