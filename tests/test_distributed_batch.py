@@ -5,7 +5,9 @@ killing a replica mid-job loses and duplicates no row; bad rows come back with t
 
 import os
 import signal
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -39,9 +41,10 @@ def workload():
     return rows + bad, {r["id"]: o.text for r, o in zip(rows, outs)}
 
 
-def run(rows, board=None, **options):
-    return answer(ray.data.from_items(rows, override_num_blocks=2), replicas=2, params=PARAMS, engine_options=ENGINE_OPTIONS,
-                  num_cpus=0.5, stats=board, affinity_prefix_tokens=PREFIX, **options)
+def run(rows, board=None, params=PARAMS, **options):
+    return answer(ray.data.from_items(rows, override_num_blocks=2), replicas=2, params=params,
+                  engine_options=ENGINE_OPTIONS, num_cpus=0.5, stats=board,
+                  affinity_prefix_tokens=PREFIX, **options)
 
 
 def check_rows(out, rows, want):
@@ -73,20 +76,36 @@ def test_affinity_encodes_each_image_once_in_the_cluster(cluster, workload):
 
 
 def test_a_replica_killed_mid_job_loses_and_duplicates_no_row(cluster, workload):
-    rows, want = workload
-    out, killed = [], None
-    for batch in run(rows, partitions=8).iter_batches(batch_format="pandas", batch_size=None):
-        out += batch.to_dict("records")
-        if killed is None:  # the replica that answered first is busy with its next partition
-            killed = int(out[0]["replica"].rsplit("-", 1)[1])
-            os.kill(killed, signal.SIGKILL)
-    for _ in range(50):
-        if not _alive(killed):
-            break
-        time.sleep(0.1)
-    assert not _alive(killed)
+    """A replica is killed (SIGKILL) while it answers a partition, found by the process title
+    Ray gives a worker running a task; answers of 24 tokens make that moment long."""
+    rows, _ = workload
+    engine = Engine(**ENGINE_OPTIONS)
+    good = [r for r in rows if r["id"] < len(rows) - 2]
+    long = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = {r["id"]: o.text for r, o in zip(good, engine.generate(local_prompts(engine, good), long,
+                                                                     use_tqdm=False))}
+    killed: list[int] = []
+    killer = threading.Thread(target=kill_first_busy_replica, args=(killed,), daemon=True)
+    killer.start()
+    out = run(rows, params=long, partitions=8).take_all()
+    killer.join(timeout=5)
+    assert killed and not _alive(killed[0])  # it was busy, so its partition was retried
     check_rows(out, rows, want)
-    assert any(int(r["replica"].rsplit("-", 1)[1]) != killed for r in out)
+
+
+def kill_first_busy_replica(killed: list[int], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in os.listdir("/proc"):
+            try:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except (OSError, ValueError):
+                continue
+            if b"MapBatches(_EngineReplica)).submit" in title:
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(int(pid))
+                return
+        time.sleep(0.01)
 
 
 def _alive(pid: int) -> bool:
