@@ -88,3 +88,16 @@ def test_bundled_chat_template_renders_the_training_prompts():
         "\ninstruction: who is the mayor?\nanswer:")
     with pytest.raises(ValueError, match="roles are system, developer, user or assistant, got tool"):
         engine.render_chat([{"role": "tool", "content": "x"}])
+
+
+def test_demo_counts_only_the_batched_call(tmp_path):
+    """`make demo`'s script: its counts are those of the batched call (the untimed warm-up left
+    out): one encoder pass per image with sharing, one per question without."""
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "image_qa.py"), "--repeats", "1",
+                          "--out", str(tmp_path / "qa.png")], check=True, capture_output=True,
+                         text=True, timeout=300).stdout
+    assert "encoder calls: 6 for 6 images and 48 questions (without sharing: 48)" in out, out
+    assert "cross-attention K/V blocks computed: 6 (without sharing: 48)" in out, out
+    right = int(out.split("/48 answers exactly right")[0].split()[-1])
+    assert right >= 44, out
+    assert (tmp_path / "qa.png").exists()

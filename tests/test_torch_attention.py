@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmkv.attention.metadata import SHORT_QUERY, CrossSequence, next_position, plan_batch, plan_cross
-from mmkv.attention.torch_backend import attention, write_kv
+from mmkv.attention import torch_backend
+from mmkv.attention.torch_backend import SPLIT_QUERIES, attention, write_kv
 
 BS, HQ, HKV, D = 4, 4, 2, 8
 
@@ -79,6 +80,25 @@ def test_mixed_batch_matches_dense(cascade, window):
         want = dense_reference(query[start:start + q], k, v, n, D ** -0.5, window)
         torch.testing.assert_close(out[start:start + q], want, atol=1e-5, rtol=1e-5)
         start += q
+
+
+@pytest.mark.parametrize("query_chunk", [2048, 96])
+def test_long_prompt_chunk_after_cached_tokens_matches_dense(query_chunk, monkeypatch):
+    """A prompt chunk of ``SPLIT_QUERIES`` or more new tokens after earlier ones: the keys before
+    each query chunk are attended unmasked and its own square causally, merged by log-sum-exp."""
+    monkeypatch.setattr(torch_backend, "QUERY_CHUNK", query_chunk)
+    kv_len, q_len = 2 * SPLIT_QUERIES + 37, SPLIT_QUERIES + 11
+    layer, tables, kvs, g = build([(kv_len, q_len, None, 0)], num_pages=kv_len // BS + 1)
+    (k, v), table = kvs[0], tables[0]
+    for pos in range(kv_len):
+        layer[table[pos // BS], 0, pos % BS] = k[pos]
+        layer[table[pos // BS], 1, pos % BS] = v[pos]
+    batch = plan_batch(tables, [q_len], [kv_len], BS, torch.device("cpu"))
+    assert batch.prefill == [0]
+    query = torch.randn(q_len, HQ, D, generator=g)
+    out = attention(query, layer, batch, scale=D ** -0.5)
+    want = dense_reference(query, k, v, kv_len, D ** -0.5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("q_len", [1, 5])

@@ -2,7 +2,8 @@
 
 Reads exactly the metadata FlashInfer's kernels receive (``PagedBatch``). Sequences with many new
 tokens (prompt chunks) are attended one at a time with torch's SDPA (queries in chunks, so memory
-stays bounded for long prompts); those with a few (decode steps, speculative verification) are
+stays bounded for long prompts; a chunk after earlier ones attends the keys before it unmasked and
+its own square causally, merged by log-sum-exp, so no score above the diagonal is computed); those with a few (decode steps, speculative verification) are
 attended together, their queries padded to the longest. Decode groups that share leading
 pages attend those pages once for the whole group and merge with each sequence's own pages by
 log-sum-exp, which gives the same result as attending the concatenation.
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from mmkv.models.base import StepContext
 
 QUERY_CHUNK = 2048
+SPLIT_QUERIES = 256  # from this many queries on, attending past keys and the diagonal apart pays
 
 
 def write_kv(layer: torch.Tensor, batch: PagedBatch, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -85,6 +87,8 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, 
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kt, vt, is_causal=n > 1,
                                            scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)
+    if window is None and n >= SPLIT_QUERIES:
+        return _attend_past_and_diagonal(q, kt, vt, kv_len, scale)
     out = torch.empty_like(q)
     for s in range(0, n, QUERY_CHUNK):
         e = min(s + QUERY_CHUNK, n)
@@ -93,6 +97,30 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, 
         o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], kt, vt, attn_mask=mask,
                                            scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def _attend_past_and_diagonal(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, kv_len: int,
+                              scale: float) -> torch.Tensor:
+    """Causal attention of the last ``n`` positions' queries without a mask: each chunk of queries
+    sees every key before its first position in full and its own square causally, and the two
+    parts merge by log-sum-exp. A masked kernel would compute (and then drop) every score above
+    the diagonal; this computes none of them. ``kt``/``vt`` are ``[1, Hkv, L, D]``."""
+    n, hq, dim = q.shape
+    hkv = kt.shape[1]
+    g = hq // hkv
+    kt, vt = kt.expand(g, -1, -1, -1), vt.expand(g, -1, -1, -1)  # one batch row per query group
+    out = torch.empty_like(q)
+    for s in range(0, n, QUERY_CHUNK):
+        e = min(s + QUERY_CHUNK, n)
+        first = kv_len - n + s
+        qc = q[s:e].reshape(e - s, hkv, g, dim).permute(2, 1, 0, 3)  # [G, Hkv, m, D]
+        o, lse = _attend_with_lse(qc, kt[:, :, first:first + e - s], vt[:, :, first:first + e - s],
+                                  None, scale, causal=True)
+        if first:
+            past, past_lse = _attend_with_lse(qc, kt[:, :, :first], vt[:, :, :first], None, scale)
+            o = merge_states(past, past_lse, o, lse)
+        out[s:e] = o.permute(2, 1, 0, 3).reshape(e - s, hq, dim)
     return out
 
 
@@ -125,15 +153,18 @@ def _decode(q: torch.Tensor, layer: torch.Tensor, plan: DecodePlan, block_size: 
 
 
 def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q [B, H, M, D]`` over ``k, v [B, H, L, D]`` with an additive ``bias``
-    (``0`` / ``-inf``, broadcast to ``[B, H, M, L]``): the output and the natural-log log-sum-exp
-    ``[B, H, M, 1]`` (what merging two key sets needs). On the CPU one fused kernel does it."""
+    (``0`` / ``-inf``, broadcast to ``[B, H, M, L]``) or, with ``causal``, over a square (``M ==
+    L``) causally: the output and the natural-log log-sum-exp ``[B, H, M, 1]`` (what merging two
+    key sets needs). On the CPU one fused kernel does it."""
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias,
-                                                                             scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, is_causal=causal, attn_mask=bias, scale=scale)
         return out, lse[..., None]
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        scores.masked_fill_(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), float("-inf"))
     if bias is not None:
         scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)

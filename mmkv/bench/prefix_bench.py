@@ -232,17 +232,20 @@ def _chart(cells: dict, sizes_n: list[int], sizes_p: list[int], args: argparse.N
                              squeeze=False)
     axes = axes[0]
     for ax, n in zip(axes, sizes_n):
-        for system, style in (("mmkv", "o-"), ("hf_batched", "s--"), ("llama_cpp_f32", "^:")):
+        for system, label, style, color in (("mmkv", "mmkv", "o-", "C0"),
+                                            ("hf_batched", "transformers batched", "s--", "C1"),
+                                            ("llama_cpp_f32", "llama.cpp f32", "^:", "C2")):
             points = [(p, cells[f"n{n}_p{p}"][system]) for p in sizes_p if system in cells[f"n{n}_p{p}"]]
             if points:
-                ax.plot(*zip(*points), style, label=system.replace("_", " "))
+                ax.plot(*zip(*points), style, color=color, label=label)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.minorticks_off()
         ax.set_xticks(sizes_p, [str(p) for p in sizes_p])
+        ax.legend(fontsize="small")
         ax.set_title(f"{n} questions")
         ax.set_xlabel("shared prefix tokens")
     axes[0].set_ylabel("seconds")
-    axes[0].legend()
     fig.suptitle(f"shared-prefix Q&A, random Llama (hidden {args.hidden_size}, {args.num_layers} "
                  f"layers), fp32, {args.q}-token questions, {args.a} answer tokens")
     fig.tight_layout()

@@ -10,7 +10,7 @@ from transformers.utils import logging as hf_logging
 
 BENCH_LLAMA = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
                    num_attention_heads=8, num_key_value_heads=4, vocab_size=8000,
-                   max_position_embeddings=4096, initializer_range=0.1,
+                   max_position_embeddings=8192, initializer_range=0.1,
                    bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
