@@ -2,10 +2,13 @@
 answers equal the offline engine's; the cache-aware router sends every question about one image
 to one replica (8 images, 8 encoder calls in the cluster) and spreads a burst on one image over
 both replicas once the queue threshold is crossed; /metrics sums and labels the replicas, /health
-needs every replica, and no block is in use after the run."""
+turns 503 when a replica is killed, and no block is in use after the run."""
 
 import asyncio
+import os
+import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -119,3 +122,23 @@ def test_refused_requests_get_400_with_the_reason(url):
     with pytest.raises(openai.BadRequestError, match=f"max_model_len is {limit}"):
         api.completions.create(model=MODEL_NAME, prompt=[5] * (limit + 1), max_tokens=4)
     assert idle_metrics(url)["mmkv_kv_blocks_in_use"] == 0
+
+
+def test_health_fails_while_a_replica_is_down(url):
+    """Runs last: a replica killed (SIGKILL) stops reporting, and /health turns 503."""
+    assert httpx.get(f"{url}/health").status_code == 200
+    replica = b"ray::ServeReplica:mmkv:EngineReplica"  # the process title Ray gives a replica
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _title(p).startswith(replica)]
+    assert len(pids) == 2
+    os.kill(pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/health").status_code == 200:
+        assert time.monotonic() < deadline, "/health stayed 200 with a replica dead"
+        time.sleep(0.2)
+
+
+def _title(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
