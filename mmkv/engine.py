@@ -599,13 +599,14 @@ class Engine:
         """
         single = not isinstance(images, (list, tuple))
         image_list = [images] if single else list(images)
-        texts = [self._question_prompt(q) for q in questions]
+        texts = [self.question_prompt(q) for q in questions]
         prompts = [{"prompt": text, "images": [img]} for img in image_list for text in texts]
         outs = self.generate(prompts, params, errors=errors, **options)
         per_image = [outs[i * len(questions):(i + 1) * len(questions)] for i in range(len(image_list))]
         return per_image[0] if single else per_image
 
-    def _question_prompt(self, question: str) -> str | list[int]:
+    def question_prompt(self, question: str) -> str | list[int]:
+        """The prompt ``ask`` sends for ``question`` about one image (with its ``<image>``)."""
         if not self.model.chat_questions:
             return self.model.question_template.format(question=question)
         return self.render_chat([{"role": "user", "content": [{"type": "image"},

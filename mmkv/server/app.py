@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API over one ``AsyncEngine`` (FastAPI).
+"""The OpenAI-compatible HTTP API (FastAPI) over a ``Front``: one ``AsyncEngine``, or engine
+replicas on Ray Serve (``mmkv.distributed``).
 
 A generation request is checked in this order, so refusals cost nothing: API key (401), body size
 (413), JSON and fields (400), model name (404), admission limit (503 with ``Retry-After``); only
@@ -15,7 +16,7 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager, suppress
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,8 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from mmkv import RequestOutput, SamplingParams
-from mmkv.server.async_engine import (AsyncEngine, ChatPrompt, EngineOverloaded, EngineStopped,
-                                      RequestFailed, Ticket)
+from mmkv.server.async_engine import (ChatPrompt, EngineOverloaded, EngineStopped, RequestFailed,
+                                      Ticket)
 from mmkv.server.media import MediaLoader
 from mmkv.server.metrics import ServerMetrics
 from mmkv.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -40,23 +41,49 @@ class _ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-def build_app(front: AsyncEngine, settings: ServerSettings, media: MediaLoader | None = None) -> FastAPI:
-    """The app; its lifespan starts the engine thread and, on shutdown, aborts what runs and
-    stops it."""
+class Front(Protocol):
+    """What the app runs requests on: one engine (``AsyncEngine``) or a set of engine replicas
+    (``mmkv.distributed.serve_front.ReplicaSetFront``). ``tokenizer`` and ``max_model_len`` are
+    valid once ``open`` has returned."""
+
+    tokenizer: Any
+    max_model_len: int
+
+    async def open(self) -> None: ...
+    async def close(self) -> None: ...
+    def admit(self, n: int) -> Ticket: ...
+    def generate(self, prompts: list[Any], params: SamplingParams, cache_salt: str | None = None,
+                 stream: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]: ...
+    async def healthy(self) -> bool: ...
+    async def replica_stats(self) -> dict[str, dict[str, int]]: ...
+
+
+class _TokenText:
+    """Token id -> its text, on a copy of the front's tokenizer (off the engine thread)."""
+
+    def __init__(self) -> None:
+        self.tokenizer: Any = None
+
+    def __call__(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+
+def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None = None) -> FastAPI:
+    """The app; its lifespan opens the front (starts the engine thread) and, on shutdown, closes
+    it (aborts what runs and stops it)."""
     media = media if media is not None else MediaLoader(settings.media)
-    metrics = ServerMetrics(lambda: front.stats)
-    tokenizer = copy.deepcopy(front.engine.tokenizer)  # for token strings, off the engine thread
-    token_text = (lambda i: tokenizer.decode([i])) if tokenizer is not None else str
+    metrics = ServerMetrics()
+    token_text = _TokenText()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        front.start()
+        await front.open()
+        token_text.tokenizer = copy.deepcopy(front.tokenizer)
         yield
-        front.stop()
-        front.join()
-        front.engine.check_integrity()
+        await front.close()
+        stats = await front.replica_stats()
         log.warning("mmkv serve stopped: %d KV blocks in use, block accounting checked",
-                    front.engine.stats()["blocks_in_use"])
+                    sum(s.get("blocks_in_use", 0) for s in stats.values()))
 
     app = FastAPI(lifespan=lifespan, title="mmkv", docs_url=None, redoc_url=None, openapi_url=None)
     if settings.api_key:
@@ -67,23 +94,23 @@ def build_app(front: AsyncEngine, settings: ServerSettings, media: MediaLoader |
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if await front.healthy() else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(await front.replica_stats()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model",
                                              "created": 0, "owned_by": "mmkv",
-                                             "max_model_len": front.engine.max_model_len}]}
+                                             "max_model_len": front.max_model_len}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse(ChatCompletionRequest, await _read_body(request, settings.max_body_bytes))
         _check_model(req.model, settings)
-        max_tokens = req.max_completion_tokens or req.max_tokens or front.engine.max_model_len
+        max_tokens = req.max_completion_tokens or req.max_tokens or front.max_model_len
         params = req.sampling_params(max_tokens, req.requested_logprobs())
         messages, urls = _template_messages(req.messages)
         if len(urls) > settings.max_images_per_request:
@@ -260,7 +287,7 @@ def _api_error(err: BaseException) -> ApiError | BaseException:
     return err
 
 
-def _admit(front: AsyncEngine, n: int, settings: ServerSettings) -> Ticket:
+def _admit(front: Front, n: int, settings: ServerSettings) -> Ticket:
     try:
         return front.admit(n)
     except EngineOverloaded as err:

@@ -59,12 +59,28 @@ class Ticket:
     """A place under the admission limit, held from before a request's images are fetched until
     its response is done; ``release`` is idempotent."""
 
-    def __init__(self, front: "AsyncEngine", n: int) -> None:
-        self._front, self._n = front, n
+    def __init__(self, admission: "Admission", n: int) -> None:
+        self._admission, self._n = admission, n
 
     def release(self) -> None:
-        self._front.admitted -= self._n
+        self._admission.admitted -= self._n
         self._n = 0
+
+
+class Admission:
+    """The admission limit of one HTTP front: at most ``max_pending`` requests admitted at once
+    (running plus waiting); touched only on the event loop."""
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self.admitted = 0
+
+    def admit(self, n: int) -> Ticket:
+        """Reserve ``n`` requests' places, or raise ``EngineOverloaded`` (before any work)."""
+        if self.admitted + n > self.max_pending:
+            raise EngineOverloaded(f"{self.admitted} requests in flight; the limit is {self.max_pending}")
+        self.admitted += n
+        return Ticket(self, n)
 
 
 class AsyncEngine:
@@ -78,8 +94,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, max_pending: int) -> None:
         self.engine = engine
-        self.max_pending = max_pending  # requests admitted at once (running plus waiting)
-        self.admitted = 0  # touched only on the event loop
+        self.admission = Admission(max_pending)
         self.stats: dict[str, int] = engine.stats()  # a snapshot, replaced after every step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._owners: dict[int, _Submission] = {}  # engine request id -> its submission
@@ -95,10 +110,35 @@ class AsyncEngine:
         """Reserve ``n`` requests' places, or raise ``EngineOverloaded`` (before any work)."""
         if self._stopping:
             raise EngineStopped("the server is shutting down")
-        if self.admitted + n > self.max_pending:
-            raise EngineOverloaded(f"{self.admitted} requests in flight; the limit is {self.max_pending}")
-        self.admitted += n
-        return Ticket(self, n)
+        return self.admission.admit(n)
+
+    # -- what the HTTP app needs of a front (``mmkv.distributed`` has one over many engines) --
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def open(self) -> None:
+        self.start()
+
+    async def close(self) -> None:
+        """Abort what runs, end the engine thread and prove the engine holds no block."""
+        self.stop()
+        self.join()
+        self.engine.check_integrity()
+
+    def running(self) -> bool:
+        """Whether the engine thread is alive (started and not stopped or crashed)."""
+        return self._thread.is_alive()
+
+    async def healthy(self) -> bool:
+        return self.running()
+
+    async def replica_stats(self) -> dict[str, dict[str, int]]:
+        return {"0": self.stats}
 
     async def generate(self, prompts: list[Any], params: SamplingParams, cache_salt: str | None = None,
                        stream: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -59,6 +59,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         help="file:// image URLs only from under this directory (default: refused)")
     limits.add_argument("--allowed-media-domains", nargs="*", default=[],
                         help="hosts whose https:// images may be fetched (default: none)")
+    scale = p.add_argument_group("scale out (Ray Serve; needs the ray extra)")
+    scale.add_argument("--replicas", type=int, default=1,
+                       help="engine replicas on Ray Serve behind a cache-aware router; 1: one process, no Ray")
+    scale.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica reserves")
+    scale.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
+    scale.add_argument("--affinity-prefix-tokens", type=int, default=256,
+                       help="text requests sharing this many first tokens go to one replica")
+    scale.add_argument("--route-imbalance-threshold", type=int, default=8,
+                       help="route to the shortest queue once the longest exceeds it by this many requests")
+    scale.add_argument("--route-imbalance-ratio", type=float, default=1.5,
+                       help="... and by this factor")
     p.add_argument("--shutdown-timeout", type=float, default=5.0)
     p.add_argument("--log-level", default="warning")
 
@@ -112,6 +123,13 @@ def build_server(engine: Engine, settings: ServerSettings, host: str = "127.0.0.
 
 def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    if args.replicas < 1:
+        raise SystemExit(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1:
+        from mmkv.distributed import serve_app  # Ray loads only for this
+
+        serve_app.run(args)
+        return
     settings = settings_from_args(args)
     server = build_server(engine_from_args(args), settings, args.host, args.port,
                           args.shutdown_timeout, args.log_level)

@@ -1,12 +1,15 @@
 """Prometheus metrics of one server, in a registry of its own (two servers in one process do not mix).
 
-Gauges and counters are read at scrape time from the engine's latest ``stats()`` snapshot, so they
-are exactly the engine's figures; the two histograms are observed by the HTTP front per request.
+Gauges and counters are read at scrape time from the engines' latest ``stats()`` snapshots, so they
+are exactly the engines' figures: summed over replicas under the single-engine names, and, when
+there are several replicas, once more per replica under ``mmkv_replica_*`` with a ``replica``
+label (so that summing over the labelled series never counts a replica twice). The two histograms
+are observed by the HTTP front per request.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,24 +32,42 @@ COUNTERS = {  # metric (without _total): (help, stats keys summed)
 }
 
 
+def _replica_name(name: str) -> str:
+    return name.replace("mmkv_", "mmkv_replica_", 1)
+
+
 class _EngineStats(Collector):
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
-        self._stats = stats
+    def __init__(self) -> None:
+        self.replicas: dict[str, dict[str, int]] = {}  # set before each scrape
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
+        replicas = self.replicas
         for name, (text, key) in GAUGES.items():
-            yield GaugeMetricFamily(name, text, value=stats.get(key, 0))
+            yield GaugeMetricFamily(name, text, value=sum(s.get(key, 0) for s in replicas.values()))
         for name, (text, keys) in COUNTERS.items():
-            yield CounterMetricFamily(name, text, value=sum(stats.get(k, 0) for k in keys))
+            yield CounterMetricFamily(name, text, value=sum(s.get(k, 0) for s in replicas.values()
+                                                           for k in keys))
+        if len(replicas) < 2:
+            return
+        for name, (text, key) in GAUGES.items():
+            family = GaugeMetricFamily(_replica_name(name), f"{text}, per replica", labels=["replica"])
+            for replica, s in replicas.items():
+                family.add_metric([replica], s.get(key, 0))
+            yield family
+        for name, (text, keys) in COUNTERS.items():
+            family = CounterMetricFamily(_replica_name(name), f"{text}, per replica", labels=["replica"])
+            for replica, s in replicas.items():
+                family.add_metric([replica], sum(s.get(k, 0) for k in keys))
+            yield family
 
 
 class ServerMetrics:
     """The metrics ``GET /metrics`` shows: engine figures and per-request latency histograms."""
 
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStats(stats))
+        self._engines = _EngineStats()
+        self.registry.register(self._engines)
         self.time_to_first_token = Histogram(
             "mmkv_time_to_first_token_seconds", "From request arrival to its first generated token",
             buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -54,5 +75,7 @@ class ServerMetrics:
             "mmkv_request_latency_seconds", "From request arrival to its last token",
             buckets=LATENCY_BUCKETS, registry=self.registry)
 
-    def render(self) -> bytes:
+    def render(self, replicas: dict[str, dict[str, int]]) -> bytes:
+        """The exposition text, engine figures from ``replicas`` (replica name -> its stats)."""
+        self._engines.replicas = replicas
         return generate_latest(self.registry)

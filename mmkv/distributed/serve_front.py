@@ -1,0 +1,97 @@
+"""The HTTP app's front over engine replicas on Ray Serve: admission, the affinity key, streaming.
+
+The ingress runs the same FastAPI app as ``mmkv serve`` (``mmkv.server.app``) over this front
+instead of one ``AsyncEngine``. Each submission gets its affinity key here, where its images were
+read and its prompt can be tokenized (``affinity.py``: the first image's pixel key, else a hash of
+the prompt's first tokens), and goes to the replica that ``router.CacheAwareRouter`` picks, as one
+streaming call.
+
+Guarantees: a submission that ends early (client gone, error) cancels its call, and the replica's
+``AsyncEngine`` aborts its requests; a replica's refusal (``ValueError``) or failure reaches the
+app as the replica raised it; ``/health`` is healthy only when every replica reported a live
+engine within ``STALE_S`` seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, NamedTuple
+
+from jinja2 import TemplateError
+from ray.exceptions import RayTaskError
+from ray.serve.handle import DeploymentHandle
+
+from mmkv import RequestOutput, SamplingParams
+from mmkv.distributed.affinity import image_affinity, prefix_affinity
+from mmkv.server.async_engine import Admission, ChatPrompt, Ticket
+
+STALE_S = 5.0  # a replica silent for this long counts as down
+
+
+class ReplicaInfo(NamedTuple):
+    """What the ingress learns from a replica once: its tokenizer and its context length."""
+
+    tokenizer: Any
+    max_model_len: int
+
+
+class ReplicaSetFront:
+    """``mmkv.server.app.Front`` over ``replicas`` engine replicas behind ``handle``; ``board``
+    is the ``StatsBoard`` actor the replicas report to."""
+
+    def __init__(self, handle: DeploymentHandle, board: Any, replicas: int, max_pending: int,
+                 prefix_tokens: int) -> None:
+        self.handle = handle
+        self.board = board
+        self.replicas = replicas
+        self.admission = Admission(max_pending)
+        self.prefix_tokens = prefix_tokens
+        self.tokenizer: Any = None
+        self.max_model_len = 0
+
+    async def open(self) -> None:
+        info: ReplicaInfo = await self.handle.describe.remote()
+        self.tokenizer, self.max_model_len = info.tokenizer, info.max_model_len
+
+    async def close(self) -> None:
+        """Nothing to stop here: each replica aborts its own requests when it shuts down."""
+
+    def admit(self, n: int) -> Ticket:
+        return self.admission.admit(n)
+
+    async def generate(self, prompts: list[Any], params: SamplingParams, cache_salt: str | None = None,
+                       stream: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """As ``AsyncEngine.generate``, on the replica the router picks for the first prompt's key."""
+        key = self.affinity(prompts[0], cache_salt)
+        call = self.handle.options(stream=True).generate.remote(prompts, params, cache_salt, stream,
+                                                                affinity=key)
+        try:
+            async for item in call:
+                yield item
+        except RayTaskError as err:  # the replica's own exception, without Ray's wrapping
+            raise err.cause from None
+        finally:
+            call.cancel()
+
+    def affinity(self, prompt: Any, cache_salt: str | None) -> str | None:
+        """The prompt's affinity key; None when it cannot be computed here (the replica will
+        then refuse the prompt with the reason)."""
+        try:
+            if isinstance(prompt, ChatPrompt) and prompt.images:
+                return image_affinity(prompt.images[0], cache_salt)
+            if isinstance(prompt, ChatPrompt):
+                ids = self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True,
+                                                         tokenize=True, return_dict=False)
+            elif isinstance(prompt, str):
+                ids = self.tokenizer.encode(prompt)
+            else:
+                ids = prompt
+            return prefix_affinity(list(ids), self.prefix_tokens, cache_salt)
+        except (ValueError, TemplateError):  # the replica refuses it, with the reason
+            return None
+
+    async def replica_stats(self) -> dict[str, dict[str, int]]:
+        return await self.board.snapshot.remote(STALE_S)
+
+    async def healthy(self) -> bool:
+        live = await self.replica_stats()
+        return len(live) >= self.replicas and all(s.get("engine_alive") for s in live.values())

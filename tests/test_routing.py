@@ -1,0 +1,40 @@
+"""The cache-aware ranking (mmkv.distributed.routing), without Ray: rendezvous hashing keeps
+every key on one replica and moves only the keys of a removed replica; the load guard switches
+to the shortest queue exactly when SGLang's rule says the load is imbalanced."""
+
+from hypothesis import given, strategies as st
+
+from mmkv.distributed.routing import imbalanced, rank_replicas, rendezvous_order
+
+REPLICAS = [f"replica-{i}" for i in range(4)]
+
+
+def test_one_key_always_prefers_one_replica_and_keys_spread():
+    tops = [rendezvous_order(f"key-{k}", REPLICAS)[0] for k in range(400)]
+    assert tops == [rendezvous_order(f"key-{k}", list(reversed(REPLICAS)))[0] for k in range(400)]
+    assert all(60 <= tops.count(r) <= 140 for r in REPLICAS), [tops.count(r) for r in REPLICAS]
+
+
+@given(st.text(min_size=1), st.integers(0, 3))
+def test_removing_a_replica_moves_only_its_own_keys(key, removed):
+    order = rendezvous_order(key, REPLICAS)
+    rest = rendezvous_order(key, [r for r in REPLICAS if r != REPLICAS[removed]])
+    assert rest == [r for r in order if r != REPLICAS[removed]]
+
+
+def test_imbalance_needs_both_the_absolute_and_the_relative_gap():
+    assert not imbalanced({"a": 10, "b": 3}, threshold=8)       # gap 7
+    assert imbalanced({"a": 12, "b": 3}, threshold=8)           # gap 9, 4x
+    assert not imbalanced({"a": 30, "b": 21}, threshold=8)      # gap 9, but 1.43x
+    assert imbalanced({"a": 33, "b": 21}, threshold=8)          # gap 12, 1.57x
+    assert not imbalanced({"a": 100}, threshold=0)
+
+
+def test_balanced_load_follows_the_key_imbalanced_load_the_shortest_queue():
+    key = "image:salt:abc"
+    preferred = rendezvous_order(key, REPLICAS)
+    balanced = {preferred[0]: 5, preferred[1]: 0, preferred[2]: 3, preferred[3]: 1}
+    assert rank_replicas(key, balanced, threshold=8) == preferred
+    skewed = {**balanced, preferred[0]: 20}
+    assert rank_replicas(key, skewed, threshold=8) == [preferred[1], preferred[3], preferred[2], preferred[0]]
+    assert rank_replicas(None, balanced, threshold=8)[0] == preferred[1]
