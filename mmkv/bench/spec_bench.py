@@ -234,7 +234,7 @@ def _chart(path: Path, batches: list[int], result: dict, methods: list[str], loa
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("batch size")
     ax.set_ylabel("speedup over plain decoding")
-    ax.set_title("mmkv speculative decoding, draft lengths by the controller (bundled model)")
+    ax.set_title("speculative decoding, lengths by the controller")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
