@@ -289,3 +289,29 @@ def test_a_draft_model_left_behind_by_plain_steps_catches_up(model_dirs, hf_orac
     stats = eng.stats()
     assert stats["spec_plain_steps"] >= 7 and stats["spec_drafted_tokens"] >= 10
     assert stats["spec_acceptance_rate"] == 1.0 and stats["blocks_in_use"] == 0
+
+
+def test_a_draft_model_speculates_again_after_plain_steps_between_rounds(model_dirs, hf_oracle):
+    """Round, then plain steps, then rounds again for the same sequences: two requests speculate
+    alone, two more arrive (batch 4: plain decoding, the draft falls behind from where its last
+    round left it) and finish, and the first two speculate again. With the target as its own
+    draft, a watermark off by one after a round shows as a rejection."""
+    first, later = prompts(71, [7, 10]), prompts(72, [5, 6])
+    eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
+    eng.speculator.controller.costs = FrozenCosts(draft=lambda r: 0.01, verify=lambda r: 0.1 + r,
+                                                  plain=lambda r: 3 + 0.01 * r)
+    long, short = SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=6, ignore_eos=True)
+    ids = [eng.add_request(p, long) for p in first]
+    outputs = {}
+    for _ in range(3):  # prefill, then rounds for the first two alone
+        outputs.update((o.request_id, o) for o in eng.step())
+    rounds_before = eng.stats()["spec_rounds"]
+    assert rounds_before > 0
+    ids += [eng.add_request(p, short) for p in later]
+    while eng.has_unfinished():
+        outputs.update((o.request_id, o) for o in eng.step())
+    stats = eng.stats()
+    assert stats["spec_plain_steps"] >= 3 and stats["spec_rounds"] > rounds_before + 2
+    for rid, p, n in zip(ids, first + later, (40, 40, 6, 6)):
+        assert outputs[rid].outputs[0].token_ids == hf_oracle("llama", p, n)
+    assert stats["spec_acceptance_rate"] == 1.0 and stats["blocks_in_use"] == 0
