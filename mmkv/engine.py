@@ -83,7 +83,6 @@ class Engine:
                                           shared=enable_prefix_caching)
                          if self.model.cross_layers else None)
         self.scheduler.image_kv = self.image_kv
-        self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len or self.model.max_model_len, self.model.max_model_len)
         self.tokenizer = _load_tokenizer(Path(model), self.model.text_config)
         self.eos_token_ids = _eos_ids(Path(model), self.model.text_config, self.tokenizer)
@@ -630,6 +629,11 @@ class Engine:
                         return
         finally:
             self.abort(request_id)  # nothing to do when it finished
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences one step may run (the scheduler's limit)."""
+        return self.scheduler.config.max_num_seqs
 
     def stats(self) -> dict[str, int]:
         pool, pre, sched = self.kv.pool, self.scheduler.preemptions, self.scheduler

@@ -245,8 +245,7 @@ class DraftModelSpeculator(Speculator):
         catches up in one pass when its sequence next joins a round (``_catch_up``)."""
         if all(q == 1 for q in q_lens):
             return
-        self.draft.forward(input_ids, StepContext(step.batch, self.draft_layers, step.backend),
-                           torch.zeros(0, dtype=torch.long, device=input_ids.device))
+        self._forward_draft(input_ids, step)
         for seq, q in zip(seqs, q_lens):
             if seq.draft_valid is None or seq.draft_valid >= seq.num_computed:
                 seq.draft_valid = seq.num_computed + q
@@ -268,14 +267,19 @@ class DraftModelSpeculator(Speculator):
                             images=False)
         ids = torch.tensor([t for (s, v), e in zip(behind, ends) for t in s.token_ids[v:e]],
                            dtype=torch.long, device=step.batch.positions.device)
-        self.draft.forward(ids, StepContext(step.batch, self.draft_layers, step.backend),
-                           torch.zeros(0, dtype=torch.long, device=ids.device))
+        self._forward_draft(ids, step)
+
+    def _forward_draft(self, ids: torch.Tensor, step, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The draft model over ``step``'s batch in its own store: logits of ``rows`` (none when
+        only its K/V is wanted)."""
+        if rows is None:
+            rows = torch.zeros(0, dtype=torch.long, device=ids.device)
+        return self.draft.forward(ids, StepContext(step.batch, self.draft_layers, step.backend), rows)
 
     def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
         step = self._draft_context(seqs, kv_lens, live, images=False)  # the draft reads text only
         ids = torch.tensor(tokens, dtype=torch.long, device=step.batch.positions.device)
-        rows = torch.tensor(drafting, dtype=torch.long, device=ids.device)
-        return self.draft.forward(ids, StepContext(step.batch, self.draft_layers, step.backend), rows)
+        return self._forward_draft(ids, step, torch.tensor(drafting, dtype=torch.long, device=ids.device))
 
     def _verify_logits(self, seqs, gammas, drafts, lens):
         step = self.context(seqs, [g + 1 for g in gammas], [n + g for n, g in zip(lens, gammas)])

@@ -58,7 +58,6 @@ class DraftHistory:
     proposed: DecayedRate
     accepted: DecayedRate
     decisions: int = 0  # steps the controller chose a draft length for it
-    zero: int = 0  # ... of which it chose 0
     drafted: int = 0  # draft tokens proposed over those steps
     derived: tuple | None = None  # (model version, limit, what the controller derived from the rates)
 
@@ -105,5 +104,5 @@ class AcceptanceModel:
               everyone: tuple[list[float], list[float]]) -> tuple[list[float], list[float]]:
         """The sequence's ``proposed`` and ``accepted`` rates at positions ``1..limit``, shrunk
         toward ``everyone`` (``engine_rates()``)."""
-        return tuple([(mine.hits[j] + SHRINK * prior[j]) / (mine.trials[j] + SHRINK) for j in range(limit)]
+        return tuple([mine.rate(j, prior[j], SHRINK) for j in range(limit)]
                      for mine, prior in ((history.proposed, everyone[0]), (history.accepted, everyone[1])))

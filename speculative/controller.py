@@ -80,7 +80,6 @@ class DraftLengthController:
         caps = list(limits) if self.fixed else self._caps(histories, limits, lengths)
         for history, cap in zip(histories, caps):
             history.decisions += 1
-            history.zero += cap == 0
         self.decisions += len(caps)
         self.zero += caps.count(0)
         self.plain_steps += not any(caps)
