@@ -287,7 +287,7 @@ class Engine:
             rope = step_positions([s.rope for s in seqs], q_lens, kv_lens)
             step.rope_positions = torch.from_numpy(rope).to(self.device)
         if images:
-            self._add_image_inputs(step, seqs, q_lens, kv_lens, meta.qo_indptr[:-1].tolist())
+            self._add_image_inputs(step, seqs, q_lens, kv_lens, meta.host.qo_indptr[:-1].tolist())
         return step
 
     def _run_plain(self, seqs: list[Sequence], q_lens: list[int], touched: dict[int, None],
@@ -338,7 +338,7 @@ class Engine:
         input_ids = torch.tensor([t for s, q in zip(seqs, q_lens)
                                   for t in s.token_ids[s.num_computed:s.num_computed + q]],
                                  dtype=torch.long, device=self.device)
-        starts = step.batch.qo_indptr[:-1].tolist()
+        starts = step.batch.host.qo_indptr[:-1].tolist()
         sampling = [i for i, (s, n) in enumerate(zip(seqs, kv_lens)) if n == len(s.token_ids)]
         rows = torch.tensor([starts[i] + q_lens[i] - 1 for i in sampling], dtype=torch.long,
                             device=self.device)

@@ -60,7 +60,7 @@ def attention(query: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale
     dtype = compute_dtype(query)
     q_all = query.to(dtype)
     out = torch.empty_like(q_all)
-    qo = batch.qo_indptr.tolist() if batch.prefill else None
+    qo = batch.host.qo_indptr.tolist() if batch.prefill else None
     for i in batch.prefill:
         k, v = gather_kv(layer, batch.pages[i], batch.kv_lens[i], dtype)
         start, end = qo[i], qo[i + 1]

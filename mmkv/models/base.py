@@ -233,7 +233,8 @@ class ModelAdapter:
     def embed(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
         hidden = self.text_model.embed_tokens(input_ids[None])
         if step.image_rows is not None:
-            hidden[0, step.image_rows] = step.image_embeds.to(hidden.dtype)
+            # image embeddings may carry more than the hidden width (Qwen3-VL's deepstack features)
+            hidden[0, step.image_rows] = step.image_embeds[:, :hidden.shape[-1]].to(hidden.dtype)
         return hidden
 
     def run_layers(self, hidden: torch.Tensor, step: StepContext, start: int = 0,
@@ -253,6 +254,11 @@ class ModelAdapter:
             else:
                 hidden = layer(hidden, position_embeddings=rotary, position_ids=positions,
                                mmkv_step=step)
+            hidden = self.after_layer(i, hidden, step)
+        return hidden
+
+    def after_layer(self, i: int, hidden: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """What a family adds to the hidden states after layer ``i`` (nothing by default)."""
         return hidden
 
     def rotary(self, hidden: torch.Tensor, positions: torch.Tensor,

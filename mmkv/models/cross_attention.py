@@ -17,7 +17,7 @@ from transformers import AutoImageProcessor, MllamaForConditionalGeneration
 from mmkv.models.base import (ATTENTION_NAME, ImagePlacement, ModelAdapter, StepContext,
                               load_hf_config, resolve_dtype)
 from mmkv.models.causal_lm import from_pretrained
-from mmkv.models.fused_layer import fused_linear, rms_norm
+from mmkv.models.fused_layer import FusedMLP, fused_linear, rms_norm
 from vision import PreparedImage, ProcessorEncoder, VisionPipeline
 
 ATTENTION = {"text_config": ATTENTION_NAME, "vision_config": "sdpa", "": "sdpa"}
@@ -67,16 +67,13 @@ class CrossLayerForward:
     for oneDNN on the CPU, as the fused self-attention layers are)."""
 
     def __init__(self, layer: torch.nn.Module, pack: bool) -> None:
-        attn, mlp = layer.cross_attn, layer.mlp
+        attn = layer.cross_attn
         self.layer_idx = layer.layer_idx
         self.num_heads, self.head_dim, self.scaling = attn.num_heads, attn.head_dim, attn.scaling
-        self.intermediate, self.act = mlp.gate_proj.weight.shape[0], mlp.act_fn  # before packing
         self.q_proj = fused_linear([attn.q_proj], pack)
         self.o_proj = fused_linear([attn.o_proj], pack)
-        self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj], pack)
-        self.down_proj = fused_linear([mlp.down_proj], pack)
+        self.mlp = FusedMLP(layer.mlp, layer.post_attention_layernorm, pack)
         self.input_norm, self.q_norm = layer.input_layernorm, attn.q_norm
-        self.post_attention_norm = layer.post_attention_layernorm
         self.attn_gate = layer.cross_attn_attn_gate.detach().tanh()
         self.mlp_gate = layer.cross_attn_mlp_gate.detach().tanh()
 
@@ -88,10 +85,7 @@ class CrossLayerForward:
                      self.q_norm.variance_epsilon)
         o = step.backend.cross_attention(step, q, step.kv_layers[self.layer_idx], self.scaling)
         hidden = hidden + self.attn_gate * self.o_proj(o.reshape(t, -1))
-        norm = self.post_attention_norm
-        gate, up = self.gate_up(rms_norm(hidden, norm.weight, norm.variance_epsilon)).split(
-            self.intermediate, dim=-1)
-        mlp = step.cross.row_mask[:, None].to(hidden.dtype) * self.down_proj(self.act(gate) * up)
+        mlp = step.cross.row_mask[:, None].to(hidden.dtype) * self.mlp(hidden)
         return hidden + self.mlp_gate * mlp
 
 

@@ -72,6 +72,23 @@ def fused_linear(modules: list[torch.nn.Linear], pack: bool) -> PackedLinear | P
     return linear
 
 
+class FusedMLP:
+    """A decoder layer's normalised gated MLP on packed rows: ``down(act(gate(x)) * up(x))`` with
+    ``x`` the RMS-normalised input, gate and up in one GEMM."""
+
+    def __init__(self, mlp: torch.nn.Module, norm: torch.nn.Module, pack: bool) -> None:
+        self.intermediate = mlp.gate_proj.weight.shape[0]  # read before packing releases it
+        self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj], pack)
+        self.down_proj = fused_linear([mlp.down_proj], pack)
+        self.act = mlp.act_fn
+        self.norm = norm
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(hidden, self.norm.weight, self.norm.variance_epsilon)
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
 class FusedDecoderLayer:
     """One decoder layer's forward on packed rows. Guarantees: ``layer(hidden, cos, sin, step)``
     equals the module's output for the same rows, positions and paged context, and writes the
@@ -89,14 +106,10 @@ class FusedDecoderLayer:
                                else getattr(attn.config, "sliding_window", None))
         self.split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                       self.num_kv_heads * self.head_dim]
-        self.intermediate = mlp.gate_proj.weight.shape[0]
         self.qkv = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
-        self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj], pack)
         self.o_proj = fused_linear([attn.o_proj], pack)
-        self.down_proj = fused_linear([mlp.down_proj], pack)
-        self.act = mlp.act_fn
+        self.mlp = FusedMLP(mlp, module.post_attention_layernorm, pack)
         self.input_norm = module.input_layernorm
-        self.post_attention_norm = module.post_attention_layernorm
 
     @staticmethod
     def supports(module: torch.nn.Module) -> bool:
@@ -115,7 +128,4 @@ class FusedDecoderLayer:
         step.backend.write_kv(step, layer, k, v.view(t, self.num_kv_heads, self.head_dim))
         out = step.backend.attention(step, q, layer, self.scaling, self.sliding_window)
         hidden = hidden + self.o_proj(out.reshape(t, -1))
-        norm = self.post_attention_norm
-        x = rms_norm(hidden, norm.weight, norm.variance_epsilon)
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
-        return hidden + self.down_proj(self.act(gate) * up)
+        return hidden + self.mlp(hidden)

@@ -87,25 +87,15 @@ class QwenVLAdapter(ModelAdapter):
         index = positions.index_select(0, self.axis_of_column).T
         return table[0].gather(0, index)[None], table[1].gather(0, index)[None]
 
-    def embed(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
-        hidden = self.text_model.embed_tokens(input_ids[None])
-        if step.image_rows is not None:
-            width = hidden.shape[-1]
-            hidden[0, step.image_rows] = step.image_embeds[:, :width].to(hidden.dtype)
-        return hidden
-
-    def run_layers(self, hidden: torch.Tensor, step: StepContext, start: int = 0,
-                   end: int | None = None) -> torch.Tensor:
-        """Layers ``[start, end)``; after each of the first ``deepstack_layers`` layers the image
-        rows get that layer's deepstack features added, as Qwen3-VL's text model does."""
-        end = self.num_layers if end is None else end
-        deep_end = min(end, self.deepstack_layers) if step.image_rows is not None else start
+    def after_layer(self, i: int, hidden: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """After each of the first ``deepstack_layers`` layers the image rows get that layer's
+        deepstack features added, as Qwen3-VL's text model does."""
+        if step.image_rows is None or i >= self.deepstack_layers:
+            return hidden
         width = hidden.shape[-1]
-        for i in range(start, deep_end):
-            hidden = super().run_layers(hidden, step, i, i + 1)
-            features = step.image_embeds[:, width * (i + 1):width * (i + 2)].to(hidden.dtype)
-            hidden[0, step.image_rows] = hidden[0, step.image_rows] + features
-        return super().run_layers(hidden, step, max(start, deep_end), end)
+        features = step.image_embeds[:, width * (i + 1):width * (i + 2)].to(hidden.dtype)
+        hidden[0, step.image_rows] = hidden[0, step.image_rows] + features
+        return hidden
 
 
 def load_qwen_vl(path: Path, family: str, device: torch.device,
