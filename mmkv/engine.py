@@ -179,14 +179,7 @@ class Engine:
         template with the generation prompt; each image part becomes the model's image token, for
         an image passed with the prompt. ``ValueError`` when the model has no chat template or the
         template refuses the messages."""
-        if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise ValueError("this model directory has no chat template (tokenizer_config.json "
-                             "'chat_template' or chat_template.jinja); send a plain prompt instead")
-        try:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                           tokenize=True, return_dict=False))
-        except TemplateError as err:
-            raise ValueError(f"the chat template refused the messages: {err}") from err
+        return render_chat(self.tokenizer, messages)
 
     def _place_images(self, token_ids: list[int], images: list[ImageInput],
                       label: str) -> tuple[list[int], list[SeqImage]]:
@@ -661,6 +654,19 @@ class Engine:
             **({"xattn_blocks_computed": self.image_kv.computed_blocks} if self.image_kv else {}),
             **(self.speculator.summary() if self.speculator else {}),
         }
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """``Engine.render_chat`` with a given tokenizer (the Ray ingress keys requests by these ids
+    without an engine of its own)."""
+    if tokenizer is None or not tokenizer.chat_template:
+        raise ValueError("this model directory has no chat template (tokenizer_config.json "
+                         "'chat_template' or chat_template.jinja); send a plain prompt instead")
+    try:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    except TemplateError as err:
+        raise ValueError(f"the chat template refused the messages: {err}") from err
 
 
 def _set_visibility(images: list[SeqImage], prompt_len: int) -> None:

@@ -66,8 +66,9 @@ def qa_rows(seed: int, images: int, questions: int, documents: int, document_que
 
 def local_prompts(engine: Engine, rows: list[dict[str, Any]]) -> list[Any]:
     """The rows as one local engine's prompts (what ``answer`` sends for each)."""
-    return [{"prompt": engine.question_prompt(r["question"]), "images": [r["image"]]}
-            if r["question"] is not None else r["prompt"] for r in rows]
+    from mmkv.distributed.batch import row_prompt  # Ray loads only when this bench runs
+
+    return [row_prompt(engine, r["prompt"], r["question"], r["image"]) for r in rows]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

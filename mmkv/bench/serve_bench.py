@@ -32,7 +32,7 @@ import httpx
 
 from mmkv.bench.random_models import save_random_llama
 from mmkv.engine import BUNDLED_MODEL
-from mmkv.synthetic import random_report, report_questions
+from mmkv.synthetic import DOCUMENT_TEMPLATE, random_report, report_questions
 
 EXTRA_QUESTIONS = ("what is the report about?", "name one fact from the report.")
 
@@ -74,7 +74,7 @@ def workload(documents: int, questions: int, document_tokens: int, seed: int = 0
             reports.append(random_report(rng))
         document = " ".join(r.text for r in reports)
         asked = [qa.question for qa in report_questions(reports[0])] + list(EXTRA_QUESTIONS)
-        prompts += [f"{document}\ninstruction: {q}\nanswer:" for q in asked[:questions]]
+        prompts += [DOCUMENT_TEMPLATE.format(document=document, question=q) for q in asked[:questions]]
     return prompts
 
 

@@ -139,6 +139,13 @@ class _AffinityKeys:
         return batch.assign(**{KEY: keys, "error": errors})
 
 
+def row_prompt(engine: Engine, prompt: Any, question: Any, image: Any) -> Any:
+    """What the engine is given for a row: a question in the model's question template, or the
+    prompt as it is, with the row's image when it has one."""
+    text = engine.question_prompt(question) if question is not None else prompt
+    return {"prompt": text, "images": [image]} if image is not None else text
+
+
 class _EngineReplica:
     """One ``Engine``, built once, answering whole batches; reports its stats after each."""
 
@@ -153,6 +160,7 @@ class _EngineReplica:
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         n = len(batch)
         columns: dict[str, list] = {c: [None] * n for c in OUTPUT_COLUMNS}
+        columns["prompt_tokens"], columns["cached_tokens"] = [0] * n, [0] * n
         columns["error"] = [_value(batch, "error", i) for i in range(n)]
         by_salt: dict[str | None, list[int]] = {}
         prompts: dict[int, Any] = {}
@@ -161,8 +169,7 @@ class _EngineReplica:
             columns["error"][i] = columns["error"][i] or _row_error(prompt, question, image)
             if columns["error"][i] is not None:
                 continue
-            text = self.engine.question_prompt(question) if question is not None else prompt
-            prompts[i] = {"prompt": text, "images": [image]} if image is not None else text
+            prompts[i] = row_prompt(self.engine, prompt, question, image)
             by_salt.setdefault(_value(batch, "cache_salt", i), []).append(i)
         for salt, rows in by_salt.items():
             outs = self.engine.generate([prompts[i] for i in rows], self.params, use_tqdm=False,
@@ -175,8 +182,6 @@ class _EngineReplica:
                 columns["prompt_tokens"][i] = len(out.prompt_token_ids)
                 columns["cached_tokens"][i] = out.cached_tokens
         columns["replica"] = [self.name] * n
-        columns["prompt_tokens"] = [v or 0 for v in columns["prompt_tokens"]]
-        columns["cached_tokens"] = [v or 0 for v in columns["cached_tokens"]]
         if self.stats is not None:
             self.stats.report(self.name, self.engine.stats())
         return batch.assign(**columns)

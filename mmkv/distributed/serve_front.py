@@ -14,14 +14,15 @@ engine within ``STALE_S`` seconds.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator, NamedTuple
 
-from jinja2 import TemplateError
 from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 
 from mmkv import RequestOutput, SamplingParams
 from mmkv.distributed.affinity import image_affinity, prefix_affinity
+from mmkv.engine import render_chat
 from mmkv.server.async_engine import Admission, ChatPrompt, Ticket
 
 STALE_S = 5.0  # a replica silent for this long counts as down
@@ -61,7 +62,7 @@ class ReplicaSetFront:
     async def generate(self, prompts: list[Any], params: SamplingParams, cache_salt: str | None = None,
                        stream: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
         """As ``AsyncEngine.generate``, on the replica the router picks for the first prompt's key."""
-        key = self.affinity(prompts[0], cache_salt)
+        key = await self.affinity(prompts[0], cache_salt)
         call = self.handle.options(stream=True).generate.remote(prompts, params, cache_salt, stream,
                                                                 affinity=key)
         try:
@@ -72,21 +73,21 @@ class ReplicaSetFront:
         finally:
             call.cancel()
 
-    def affinity(self, prompt: Any, cache_salt: str | None) -> str | None:
+    async def affinity(self, prompt: Any, cache_salt: str | None) -> str | None:
         """The prompt's affinity key; None when it cannot be computed here (the replica will
-        then refuse the prompt with the reason)."""
+        then refuse the prompt with the reason). An image is decoded and hashed in a worker
+        thread, off the event loop that relays every replica's stream."""
         try:
             if isinstance(prompt, ChatPrompt) and prompt.images:
-                return image_affinity(prompt.images[0], cache_salt)
+                return await asyncio.to_thread(image_affinity, prompt.images[0], cache_salt)
             if isinstance(prompt, ChatPrompt):
-                ids = self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True,
-                                                         tokenize=True, return_dict=False)
+                ids = render_chat(self.tokenizer, prompt.messages)
             elif isinstance(prompt, str):
                 ids = self.tokenizer.encode(prompt)
             else:
                 ids = prompt
             return prefix_affinity(list(ids), self.prefix_tokens, cache_salt)
-        except (ValueError, TemplateError):  # the replica refuses it, with the reason
+        except ValueError:  # the replica refuses it, with the reason
             return None
 
     async def replica_stats(self) -> dict[str, dict[str, int]]:
