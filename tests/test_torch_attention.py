@@ -63,7 +63,9 @@ def test_mixed_batch_matches_dense(cascade, window):
     q_lens = [q for _, q, _, _ in seqs]
     kv_lens = [n for n, _, _, _ in seqs]
     batch = plan_batch(tables, q_lens, kv_lens, BS, torch.device("cpu"), cascade=cascade)
-    assert batch.prefill == [1] and len(batch.decode) == 3
+    # buckets of 1, 5-8 and 9-16 new tokens; without cascade the decodes' own pages (3 and 5-6)
+    # fall in two width classes, so their bucket splits
+    assert batch.prefill == [1] and len(batch.decode) == (3 if cascade else 4)
     assert len(batch.cascade_groups) == (2 if cascade else 0)  # one per bucket: decodes, verifications
     # Old tokens already sit in the pages; new ones arrive through write_kv like in a forward step.
     for table, (n, q, _, _), (k, v) in zip(tables, seqs, kvs):
@@ -131,6 +133,38 @@ def test_metadata_is_flashinfer_format():
     long = plan_batch([list(range(SHORT_QUERY))], [SHORT_QUERY + 1], [SHORT_QUERY + 2], BS,
                       torch.device("cpu"))
     assert long.prefill == [0] and long.decode == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 80), st.integers(1, 3), st.integers(0, 3), st.integers(0, 80)),
+                min_size=1, max_size=7), st.booleans())
+def test_decode_plans_pad_pages_at_most_double(seqs, cascade):
+    """Every short-query sequence lands in exactly one plan, and no plan pads a sequence's own
+    pages to more than twice another's (or past 4 pages): one long lone sequence next to a
+    cascade group does not make the group's members read its length. Attention stays exact."""
+    spec = []
+    for i, (n, q, parent, shared) in enumerate(seqs):
+        q, parent = min(q, n), parent if i and parent < i else None
+        share = min(shared, n - q, spec[parent][0] - spec[parent][1]) // BS * BS if parent is not None else 0
+        spec.append((n, q, parent if share else None, share))
+    layer, tables, kvs, g = build(spec, num_pages=160)
+    q_lens, kv_lens = [q for _, q, _, _ in spec], [n for n, _, _, _ in spec]
+    batch = plan_batch(tables, q_lens, kv_lens, BS, torch.device("cpu"), cascade=cascade)
+    rows = sorted(r for plan in batch.decode for r in plan.rows[:, 0].tolist())
+    starts = [sum(q_lens[:i]) for i in range(len(spec))]
+    assert rows == sorted(starts[i] for i in range(len(spec)) if q_lens[i] <= SHORT_QUERY)
+    for plan in batch.decode:
+        own = [-(-n // BS) for n in plan.host_lens]
+        assert max(own) <= 4 or max(own) <= 2 * min(own), own
+    for table, (n, q, _, _), (k, v) in zip(tables, spec, kvs):
+        for pos in range(n):
+            layer[table[pos // BS], 0, pos % BS] = k[pos]
+            layer[table[pos // BS], 1, pos % BS] = v[pos]
+    query = torch.randn(sum(q_lens), HQ, D, generator=g)
+    out = attention(query, layer, batch, scale=D ** -0.5)
+    for (n, q, _, _), (k, v), start in zip(spec, kvs, starts):
+        torch.testing.assert_close(out[start:start + q], dense_reference(query[start:start + q], k, v, n, D ** -0.5),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def _same_metadata(a, b) -> bool:

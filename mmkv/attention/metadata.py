@@ -11,7 +11,9 @@ Sequences with at most ``SHORT_QUERY`` new tokens (decode steps, speculative ver
 prompt suffixes after a cached prefix) are planned to be attended together in buckets of similar
 query lengths (1, 2, 3-4, 5-8, ... 33-64 new tokens), each sequence's queries padded to its bucket's
 longest, so padding never more than doubles a bucket's queries; longer ones (prompt chunks) are
-attended one at a time.
+attended one at a time. A bucket is split again by the pages each sequence reads after its shared
+ones (1-4, 5-8, 9-16, ... pages), so one long lone sequence does not pad a batch of short
+suffixes to its length.
 
 Cascade: short-query sequences whose page lists start with the same full pages, all before their
 first new token, form a group; the shared pages are attended once for the whole group and merged
@@ -156,8 +158,8 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
         positions=i64(positions), write_blocks=i64(write_blocks), write_offsets=i64(write_offsets),
         q_lens=list(q_lens), kv_lens=list(kv_lens), pages=[i64(pg) for pg in pages],
         prefill=[i for i, q in enumerate(q_lens) if q > SHORT_QUERY],
-        decode=[_plan_decode(ids, pages, q_lens, kv_lens, qo, block_size, device, cascade)
-                for _, ids in sorted(buckets.items())],
+        decode=[plan for _, ids in sorted(buckets.items())
+                for plan in _plan_decode(ids, pages, q_lens, kv_lens, qo, block_size, device, cascade)],
     )
 
 
@@ -171,15 +173,17 @@ def next_position(batch: PagedBatch) -> PagedBatch | None:
     """
     if any(q != 1 for q in batch.q_lens) or any(n % batch.block_size == 0 for n in batch.kv_lens):
         return None
-    [plan] = batch.decode
-    lens, positions = plan.lens + 1, plan.positions + 1
     host = replace(batch.host, kv_last_page_len=batch.host.kv_last_page_len + 1)
     return replace(batch, kv_last_page_len=batch.kv_last_page_len + 1, host=host,
                    positions=batch.positions + 1,
                    write_offsets=batch.write_offsets + 1, kv_lens=[n + 1 for n in batch.kv_lens],
-                   decode=[replace(plan, lens=lens, host_lens=[n + 1 for n in plan.host_lens],
-                                   positions=positions, biases={},
-                                   blocked=_blocked(lens, positions, plan.key_positions))])
+                   decode=[_next_decode_position(plan) for plan in batch.decode])
+
+
+def _next_decode_position(plan: DecodePlan) -> DecodePlan:
+    lens, positions = plan.lens + 1, plan.positions + 1
+    return replace(plan, lens=lens, host_lens=[n + 1 for n in plan.host_lens], positions=positions,
+                   biases={}, blocked=_blocked(lens, positions, plan.key_positions))
 
 
 def _blocked(lens: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -192,28 +196,51 @@ def _blocked(lens: torch.Tensor, positions: torch.Tensor, key_positions: torch.T
 
 
 def _plan_decode(ids: list[int], pages: list[list[int]], q_lens: list[int], kv_lens: list[int],
-                 qo: list[int], block_size: int, device: torch.device, cascade: bool) -> DecodePlan:
-    shared = {i: 0 for i in ids}
-    groups: list[CascadeGroup] = []
+                 qo: list[int], block_size: int, device: torch.device, cascade: bool) -> list[DecodePlan]:
+    """The plans of one bucket of query lengths: its sequences split by how many pages each reads
+    after its shared ones (``_width_class``), one plan per class; a cascade group's members in one
+    class attend their shared pages together."""
+    group_of: dict[int, tuple[int, int]] = {}  # sequence -> (its group's first page, shared pages)
     if cascade:
         by_first: dict[int, list[int]] = {}
-        for pos, i in enumerate(ids):
+        for i in ids:
             if kv_lens[i] > block_size:
-                by_first.setdefault(pages[i][0], []).append(pos)
-        for members in by_first.values():
-            if len(members) < 2:
+                by_first.setdefault(pages[i][0], []).append(i)
+        for first, seqs in by_first.items():
+            if len(seqs) < 2:
                 continue
-            seqs = [ids[m] for m in members]
             n = _shared_full_pages([pages[i] for i in seqs], [kv_lens[i] for i in seqs],
                                    [q_lens[i] for i in seqs], block_size)
-            if n == 0:
-                continue
-            for i in seqs:
-                shared[i] = n
+            group_of.update((i, (first, n)) for i in seqs if n)
+    classes: dict[int, dict[tuple[int, int], list[int]]] = {}
+    for i in ids:
+        key = group_of.get(i, (-1 - i, 0))  # a sequence alone: its own key, no shared pages
+        classes.setdefault(_width_class(len(pages[i]) - key[1]), {}).setdefault(key, []).append(i)
+    return [_decode_plan(list(units.items()), pages, q_lens, kv_lens, qo, block_size, device)
+            for _, units in sorted(classes.items())]
+
+
+def _width_class(pages: int) -> int:
+    """Sequences are batched with others of the same class, so padding at most doubles the pages
+    read per sequence; below ``4`` pages, where a kernel call costs more than padding, one class."""
+    return ((pages - 1) // 4).bit_length()
+
+
+def _decode_plan(units: list[tuple[tuple[int, int], list[int]]], pages: list[list[int]],
+                 q_lens: list[int], kv_lens: list[int], qo: list[int], block_size: int,
+                 device: torch.device) -> DecodePlan:
+    """One plan over ``units``: ``((first page, shared pages), sequences)``, a cascade group's
+    members or (shared pages 0) one sequence."""
+    ids = [i for _, seqs in units for i in seqs]
+    shared = {i: n for (_, n), seqs in units for i in seqs}
+    groups, start = [], 0
+    for (_, n), seqs in units:
+        if n:
             groups.append(CascadeGroup(
-                members=torch.tensor(members, dtype=torch.long, device=device),
+                members=torch.arange(start, start + len(seqs), dtype=torch.long, device=device),
                 shared_pages=torch.tensor(pages[seqs[0]][:n], dtype=torch.long, device=device),
                 seqs=seqs, num_pages=n))
+        start += len(seqs)
     suffix = [pages[i][shared[i]:] for i in ids]
     width = max(len(s) for s in suffix)
     padded = [s + [s[-1]] * (width - len(s)) for s in suffix]

@@ -128,7 +128,7 @@ def _decode(q: torch.Tensor, layer: torch.Tensor, plan: DecodePlan, block_size: 
             window: int | None) -> torch.Tensor:
     """Attention of ``d`` sequences' short queries ``[d, m, Hq, D]`` (padded to ``m`` each)."""
     d, m, hq, dim = q.shape
-    if d == 1:  # one sequence (so no cascade group): no padding to mask, no states to merge
+    if d == 1 and not plan.groups:  # one sequence alone: no padding to mask, no states to merge
         k, v = gather_kv(layer, plan.pages[0], plan.host_lens[0], q.dtype)
         return _attend_one(q[0], k, v, plan.host_lens[0], scale, window)[None]
     hkv = layer.shape[3]

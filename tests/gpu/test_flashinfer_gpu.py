@@ -94,7 +94,7 @@ def test_self_attention_pattern_matches_the_torch_backend(case, cascade, head_di
     got = backend.attention(step, query, layer, scale, None)
     want = attention(query.float(), layer.float(), batch, scale)
     torch.testing.assert_close(got.float(), want, **TOL)
-    assert (backend.calls["merge_state"] > 0) == bool(batch.decode and batch.decode.groups)
+    assert (backend.calls["merge_state"] > 0) == bool(batch.cascade_groups)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
