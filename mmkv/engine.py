@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from cache import KVCache, parse_bytes
 from mmkv.attention.backend import AttentionBackend, choose_backend
 from mmkv.attention.metadata import CrossSequence, plan_batch, plan_cross
+from mmkv.cpu_threads import DecodeThreads
 from mmkv.image_kv import CrossAttentionKV
 from mmkv.models import MRopePositions, StepContext, load_model, resolve_device
 from mmkv.models.mrope import step_positions
@@ -94,6 +95,8 @@ class Engine:
         self._counters = {"prompt_tokens": 0, "computed_prefill_tokens": 0, "decode_tokens": 0,
                           "generated_tokens": 0}
         self._peak_blocks = 0
+        cores = torch.get_num_threads()
+        self.decode_threads = DecodeThreads(cores) if self.device.type == "cpu" and cores > 1 else None
         self.speculator = None
         if draft is not None:
             self.speculator = DraftModelSpeculator(self.model, draft, self.kv.storage,
@@ -232,15 +235,30 @@ class Engine:
         plain, spec = self._split_speculative(batch.seqs, batch.q_lens)
         self._peak_blocks = max(self._peak_blocks, self.kv.pool.num_in_use)
         touched: dict[int, None] = {}
+        self._run_batch(plain, spec, touched, failed)
+        outputs = [self._output(r) for r in touched if r not in failed]
+        outputs += [self._fail(r, err) for r, err in failed.items()]
+        if self.decode_threads and not self.has_unfinished():
+            self.decode_threads.release()
+        if self.debug:
+            self.kv.check_integrity()
+        return outputs
+
+    def _run_batch(self, plain: list[tuple[Sequence, int]], spec: list[tuple[Sequence, int]],
+                   touched: dict[int, None], failed: dict[int, BaseException]) -> None:
+        """Run a step's plain and speculative parts. On the CPU a step that only decodes runs on
+        the intra-op thread count ``decode_threads`` measures fastest (every core otherwise, and
+        again once the engine is idle)."""
+        threads = self.decode_threads
+        decoding = bool(plain) and not spec and all(q == 1 for _, q in plain)
+        count = threads.use(decoding, len(plain)) if threads else 0
+        start = threads.clock() if threads else 0.0
         if plain:
             self._timed_plain([s for s, _ in plain], [q for _, q in plain], touched, failed)
         if spec:
             self._run_speculative([s for s, _ in spec], [g for _, g in spec], touched, failed)
-        outputs = [self._output(r) for r in touched if r not in failed]
-        outputs += [self._fail(r, err) for r, err in failed.items()]
-        if self.debug:
-            self.kv.check_integrity()
-        return outputs
+        if threads and decoding:
+            threads.observe(count, len(plain), threads.clock() - start)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now: its sequences leave the scheduler and every block they hold
@@ -653,6 +671,7 @@ class Engine:
             **(self.model.vision.stats() if self.model.vision is not None else {}),
             **({"xattn_blocks_computed": self.image_kv.computed_blocks} if self.image_kv else {}),
             **(self.speculator.summary() if self.speculator else {}),
+            **(self.decode_threads.summary() if self.decode_threads else {}),
         }
 
 

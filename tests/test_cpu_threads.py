@@ -1,0 +1,89 @@
+"""The decoding steps' thread count on the CPU: chosen from measured step times, exact output."""
+
+import pytest
+import torch
+
+from mmkv import Engine, SamplingParams
+from mmkv.cpu_threads import DecodeThreads
+from test_engine_oracle import BLOCK_BYTES, prompts
+
+
+def drive(chooser: DecodeThreads, seconds_on: dict[int, float], steps: int, batch: int = 8) -> list[int]:
+    """Decoding steps whose time depends only on the thread count; the counts used, in order."""
+    used = []
+    for _ in range(steps):
+        threads = chooser._pick(True, batch)
+        chooser.observe(threads, batch, seconds_on[threads])
+        used.append(threads)
+    return used
+
+
+def test_switches_to_fewer_threads_when_they_measure_faster():
+    chooser = DecodeThreads(4, explore_every=4, settle_every=16)
+    used = drive(chooser, {4: 0.020, 3: 0.012}, 12)
+    assert used[:4] == [4, 4, 4, 3]  # the 4th decoding step explores; it was faster
+    assert chooser.chosen == 3 and chooser.switches == 1
+    assert used[4:8] == [3, 3, 3, 4] and chooser.chosen == 3  # exploring back: 4 is still slower
+    assert chooser.summary()["decode_threads"] == 3
+
+
+def test_keeps_every_core_when_that_is_faster_and_explores_rarely_once_settled():
+    chooser = DecodeThreads(2, explore_every=4, settle_every=16, settle_after=2)
+    used = drive(chooser, {2: 0.010, 1: 0.015}, 72)
+    assert chooser.chosen == 2 and chooser.switches == 0
+    assert [i for i, t in enumerate(used) if t == 1] == [3, 7, 23, 39, 55, 71]
+    assert chooser.log_ratio == pytest.approx(0.405, abs=0.01)  # log(15 / 10)
+
+
+def test_prompt_steps_use_every_core_and_break_the_comparison():
+    chooser = DecodeThreads(2, explore_every=2)
+    assert chooser._pick(True, 8) == 2
+    chooser.observe(2, 8, 0.01)
+    assert chooser._pick(False, 9) == 2  # a prompt step: every core, no previous decoding step
+    assert chooser._pick(True, 8) == 2  # due to explore, but nothing fair to compare with
+    chooser.observe(2, 8, 0.01)
+    assert chooser._pick(True, 9) == 2  # the batch changed: still no fair comparison
+    chooser.observe(2, 9, 0.01)
+    assert chooser._pick(True, 9) == 1
+
+
+def test_one_noisy_sample_is_smoothed_not_followed_for_ever():
+    chooser = DecodeThreads(2, explore_every=1, settle_every=1, smoothing=0.5)
+    drive(chooser, {2: 0.010, 1: 0.008}, 2)  # one sample says 1 thread is faster
+    assert chooser.chosen == 1
+    drive(chooser, {2: 0.010, 1: 0.015}, 8)
+    assert chooser.chosen == 2 and chooser.switches == 2
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one core: nothing to choose")
+def test_engine_decodes_on_the_faster_count_with_exact_output(model_dirs, hf_oracle, monkeypatch):
+    """A clock under which steps on fewer threads take half the time: the engine moves its
+    decoding steps there, the greedy output stays transformers', and torch has every core back
+    once the engine is idle."""
+    cores = torch.get_num_threads()
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0 if torch.get_num_threads() == cores else 0.5
+        return now[0]
+
+    seen = []  # (whether the step only decodes, torch's thread count while it runs)
+    original = Engine._timed_plain
+
+    def timed_plain(self, seqs, q_lens, *rest):
+        seen.append((all(q == 1 for q in q_lens), torch.get_num_threads()))
+        return original(self, seqs, q_lens, *rest)
+
+    monkeypatch.setattr(Engine, "_timed_plain", timed_plain)
+    eng = Engine(model_dirs["llama"], kv_cache_memory=512 * BLOCK_BYTES, block_size=4, device="cpu",
+                 dtype="float32")
+    eng.decode_threads.clock = clock
+    eng.decode_threads.explore_every = 2
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for batch in (prompts(3, [5, 9, 14]), prompts(4, [7, 11])):  # the second's prompts after the switch
+        for prompt, out in zip(batch, eng.generate(batch, params)):
+            hf_oracle.check("llama", prompt, out.outputs[0].token_ids)
+        assert eng.stats()["decode_threads"] == cores - 1
+    assert (False, cores) in seen and (True, cores - 1) in seen
+    assert all(t == cores for decoding, t in seen if not decoding)
+    assert torch.get_num_threads() == cores
