@@ -38,3 +38,31 @@ def test_balanced_load_follows_the_key_imbalanced_load_the_shortest_queue():
     skewed = {**balanced, preferred[0]: 20}
     assert rank_replicas(key, skewed, threshold=8) == [preferred[1], preferred[3], preferred[2], preferred[0]]
     assert rank_replicas(None, balanced, threshold=8)[0] == preferred[1]
+
+
+def test_router_counts_a_replica_whose_probe_goes_unanswered_as_idle():
+    """Serve's router probes replicas it has no fresh queue length for, with a 0.1 s deadline; on
+    a busy machine the answer can miss it. That replica still takes part: a burst on one key
+    spreads to it instead of piling onto the key's replica."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from mmkv.distributed.router import CacheAwareRouter
+
+    replicas = {name: SimpleNamespace(replica_id=SimpleNamespace(unique_id=name)) for name in ("a", "b")}
+    key = next(f"key-{k}" for k in range(100) if rendezvous_order(f"key-{k}", ["a", "b"])[0] == "a")
+    router = object.__new__(CacheAwareRouter)
+    router.initialize_state(threshold=8)
+    known = {"a": 40}
+    router._replica_queue_len_cache = SimpleNamespace(get=lambda rid: known.get(rid.unique_id))
+
+    async def probe(unknown, backoff):
+        return [(r, None) for r in unknown]  # every probe missed its deadline
+
+    router._probe_queue_lens = probe
+    request = SimpleNamespace(kwargs={"affinity": key})
+    ranked = asyncio.run(router.choose_replicas(list(replicas.values()), request))
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranked] == [["b"], ["a"]]
+    known["a"] = 3  # balanced again: the key's own replica first
+    ranked = asyncio.run(router.choose_replicas(list(replicas.values()), request))
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranked] == [["a"], ["b"]]

@@ -3,7 +3,8 @@ Serve's ``RequestRouter`` API.
 
 Each request carries its affinity key as the ``affinity`` keyword (computed by the ingress:
 ``ReplicaSetFront``). Queue lengths come from the router's cache (updated as requests are sent and
-finish) and, for replicas it has no fresh figure for, from a probe. Every replica is returned as a
+finish) and, for replicas it has no fresh figure for, from a probe (0 when the probe goes
+unanswered). Every replica is returned as a
 rank of its own, most preferred first, so Serve sends the request to the first that accepts it
 (one whose queue is full refuses and the next is tried).
 """
@@ -38,7 +39,9 @@ class CacheAwareRouter(RequestRouter):
             else:
                 lens[r.replica_id.unique_id] = queue_len
         for r, queue_len in await self._probe_queue_lens(unknown, 0) if unknown else ():
-            if queue_len is not None:
-                lens[r.replica_id.unique_id] = queue_len
+            # No fresh figure means this router sent the replica nothing lately; one whose probe
+            # misses the deadline (a busy machine) counts as idle instead of leaving the ranking,
+            # or a burst would all go to the replicas that happened to answer.
+            lens[r.replica_id.unique_id] = 0 if queue_len is None else queue_len
         key = pending_request.kwargs.get("affinity") if pending_request is not None else None
         return [[by_id[r]] for r in rank_replicas(key, lens, self.threshold, self.ratio)]
