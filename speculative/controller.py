@@ -44,8 +44,10 @@ import time
 from collections import deque
 from typing import Callable
 
+import numpy as np
+
 from speculative.acceptance import AcceptanceModel, DraftHistory
-from speculative.costs import PassCosts
+from speculative.costs import CONTEXT_SCALE, ROW_SCALE, PassCosts
 
 EXPLORE = 2
 EXPLORE_LENGTH = 2  # the most an exploring round drafts
@@ -110,64 +112,75 @@ class DraftLengthController:
             return [min(limit, EXPLORE_LENGTH) for limit in limits]
         costs, batch, context = self.costs, len(limits), sum(lengths)
         plain = batch / costs.predict("plain", batch, context)
-        curves = self._curves(histories, limits)
-        per_row = [costs.variable("draft", 1, n) + costs.variable("verify", 1, n) for n in lengths]
+        proposes, accepted, accepts = self._curves(histories, limits)
+        sizes = np.asarray(lengths, dtype=np.float64)
+        per_row = _variable(costs, "draft", 1.0, sizes) + _variable(costs, "verify", 1.0, sizes)
         best, caps, goal = plain, [0] * batch, plain
         for _ in range(2):
-            horizons = [sum(1 for x in accepted if x >= goal * m)
-                        for (_, accepted, _), m in zip(curves, per_row)]
-            rate, length = self._best_round(curves, horizons, lengths)
+            horizons = (accepted >= goal * per_row[:, None]).sum(axis=1)
+            rate, length = self._best_round(proposes, accepts, horizons, sizes)
             if rate <= best:
                 break
             best, goal = rate, rate
-            caps = [min(length, h) for h in horizons]
+            caps = np.minimum(length, horizons).tolist()
         if self.costs.count("plain") < EXPLORE and best < CLOSE_CALL * plain:
             return [0] * batch  # a close call on an estimate: time plain decoding first
         return caps
 
-    def _curves(self, histories: list[DraftHistory], limits: list[int]) -> list[tuple]:
-        """Each sequence's cumulative products (``_curves``), kept on its history until a round
-        is observed (a plain step changes no rate)."""
-        model, everyone, out = self.acceptance, None, []
-        for history, limit in zip(histories, limits):
+    def _curves(self, histories: list[DraftHistory], limits: list[int]) -> tuple[np.ndarray, ...]:
+        """Every sequence's cumulative products (``_curves``) as rows of ``[B, max limit]``
+        arrays: it proposes a ``j``-th draft; its first ``j`` proposals are all accepted; both.
+        Past a sequence's limit the rows hold 0, 0 and -1 (below any threshold). Each
+        sequence's are kept on its history until a round is observed (a plain step changes no
+        rate)."""
+        model, everyone = self.acceptance, None
+        out = np.zeros((3, len(limits), max(limits)))
+        out[1] = -1.0
+        for row, (history, limit) in enumerate(zip(histories, limits)):
             if history.derived is None or history.derived[:2] != (model.version, limit):
                 everyone = everyone or model.engine_rates()
                 history.derived = (model.version, limit, _curves(*model.rates(history, limit, everyone)))
-            out.append(history.derived[2])
-        return out
+            out[:, row, :limit] = history.derived[2]
+        return out[0], out[1], out[2]
 
-    def _best_round(self, curves, horizons: list[int], lengths: list[int]) -> tuple[float, int]:
-        """The best goodput of a round of length ``L`` (caps ``min(L, h_b)``) and that ``L``."""
-        costs, batch, context = self.costs, len(lengths), sum(lengths)
-        fixed = costs.fixed("draft")
-        seconds = costs.predict("draft", batch, context)  # pass 0
-        tokens, rows, attended = float(batch), float(batch), float(context)
-        best = (0.0, 0)
-        for i in range(1, max(horizons, default=0) + 1):
-            n = ctx = gain = 0.0
-            idle = 1.0
-            for (proposes, _, accepts), h, length in zip(curves, horizons, lengths):
-                if h >= i:
-                    d = proposes[i - 1]
-                    n += d
-                    ctx += d * (length + i)
-                    gain += accepts[i - 1]
-                    idle *= 1.0 - d
-            seconds += (1.0 - idle) * fixed + costs.variable("draft", n, ctx)
-            tokens, rows, attended = tokens + gain, rows + n, attended + ctx
-            rate = tokens / (seconds + costs.predict("verify", rows, attended))
-            if rate > best[0]:
-                best = (rate, i)
-        return best
+    def _best_round(self, proposes: np.ndarray, accepts: np.ndarray, horizons: np.ndarray,
+                    lengths: np.ndarray) -> tuple[float, int]:
+        """The best goodput of a round of length ``L`` (caps ``min(L, h_b)``) and that ``L``
+        (the shortest of equals), every ``L`` priced at once: column ``i - 1`` is draft pass ``i``."""
+        longest = int(horizons.max(initial=0))
+        if longest == 0:
+            return 0.0, 0
+        costs, batch, context = self.costs, len(lengths), float(lengths.sum())
+        position = np.arange(1, longest + 1)
+        carried = horizons[:, None] >= position  # [B, L]: sequence b may draft at pass i
+        d = proposes[:, :longest] * carried
+        rows = d.sum(axis=0)
+        attended = (d * (lengths[:, None] + position)).sum(axis=0)
+        runs = 1.0 - np.prod(1.0 - d, axis=0)  # the pass runs if anyone proposes in it
+        seconds = costs.predict("draft", batch, context) + np.cumsum(
+            runs * costs.fixed("draft") + _variable(costs, "draft", rows, attended))
+        tokens = batch + np.cumsum((accepts[:, :longest] * carried).sum(axis=0))
+        verify = _predict(costs, "verify", batch + np.cumsum(rows), context + np.cumsum(attended))
+        rate = tokens / (seconds + verify)
+        best = int(np.argmax(rate))
+        return (float(rate[best]), best + 1) if rate[best] > 0 else (0.0, 0)
 
 
-def _curves(proposed: list[float], accepted: list[float]) -> tuple[list[float], list[float], list[float]]:
-    """Cumulative products: it proposes a j-th draft; the first j proposals are all accepted; both."""
-    d = a = 1.0
-    out: tuple[list[float], list[float], list[float]] = ([], [], [])
-    for c, r in zip(proposed, accepted):
-        d, a = d * c, a * r
-        out[0].append(d)
-        out[1].append(a)
-        out[2].append(d * a)
-    return out
+def _variable(costs: PassCosts, kind: str, rows, context) -> np.ndarray:
+    """``PassCosts.variable`` over arrays."""
+    _, t1, t2 = costs.fits[kind].theta
+    return np.maximum(t1 * np.asarray(rows) / ROW_SCALE + t2 * np.asarray(context) / CONTEXT_SCALE, 0.0)
+
+
+def _predict(costs: PassCosts, kind: str, rows: np.ndarray, context: np.ndarray) -> np.ndarray:
+    """``PassCosts.predict`` over arrays (``verify`` and ``draft`` only: no plain estimate)."""
+    t0, t1, t2 = costs.fits[kind].theta
+    return np.maximum(t0 + t1 * rows / ROW_SCALE + t2 * context / CONTEXT_SCALE, 1e-7)
+
+
+def _curves(proposed: list[float], accepted: list[float]) -> np.ndarray:
+    """Cumulative products ``[3, limit]``: it proposes a j-th draft; the first j proposals are all
+    accepted; both."""
+    d = np.cumprod(proposed)
+    a = np.cumprod(accepted)
+    return np.stack([d, a, d * a])
