@@ -8,6 +8,13 @@ grows or shrinks without losing what is live).
 Invariants: a block is written only while its refcount is 1 and it is not cached (shared blocks are
 immutable); every allocation either succeeds whole or raises ``OutOfBlocksError`` and changes
 nothing; ``check_integrity`` holds between any two calls.
+
+The extra stores (a draft model's K/V of the same blocks) are filled lazily: ``draft_slots[b]``
+counts the leading slots of block ``b`` whose extra-store K/V is current for the block's tokens.
+It is 0 for a fresh block, follows its block through copies and compactions (at most the slots
+copied), and only grows otherwise (``mark_draft_written``). Writing the extra store of a shared
+block is allowed: it fills in K/V the block's tokens determine, and changes nothing the target
+reads. A count that is too low only costs recomputation; none is ever too high.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ class KVCache:
         self.pool = BlockPool(num_blocks)
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
         self.storage = KVStorage(layout, num_blocks, device, num_host_blocks, extra_layouts)
+        self.draft_slots = np.zeros(num_blocks, dtype=np.int64)
         self.tree = RadixTree(self.pool, layout.block_size, policy, block_cost=layout.num_layers,
                               metrics=self.metrics)
 
@@ -98,7 +106,9 @@ class KVCache:
         short = n - self.pool.num_free
         if short > 0:
             self.tree.evict(short)
-        return self.pool.allocate(n)
+        fresh = self.pool.allocate(n)
+        self.draft_slots[fresh] = 0
+        return fresh
 
     def blocks_needed(self, table: BlockTable, num_new_tokens: int) -> int:
         """Blocks ``append_slots(table, num_new_tokens)`` would allocate."""
@@ -149,10 +159,36 @@ class KVCache:
 
     def _copy_on_write(self, table: BlockTable, fresh: int) -> None:
         last = table.blocks[-1]
-        self.storage.copy_blocks([last], [fresh], num_tokens=table.num_tokens % self.block_size)
+        self._copy_block(last, fresh, table.num_tokens % self.block_size)
         self.pool.decref([last])
         table.blocks[-1] = fresh
         self.metrics.cow_copies += 1
+
+    def _copy_block(self, src: int, dst: int, num_tokens: int) -> None:
+        self.storage.copy_blocks([src], [dst], num_tokens=num_tokens)
+        self.draft_slots[dst] = min(self.draft_slots[src], num_tokens)
+
+    # -- the extra stores' lazy fill ------------------------------------------------------------
+    def mark_draft_written(self, table: BlockTable, start: int, end: int) -> None:
+        """The extra stores now hold current K/V for positions ``[start, end)`` of ``table`` (and,
+        the caller vouches, for every position before ``start``)."""
+        bs, slots = self.block_size, self.draft_slots
+        for k in range(start // bs, -(-end // bs)):
+            block = table.blocks[k]
+            if slots[block] >= start - k * bs:  # contiguous with what the block already holds
+                slots[block] = max(slots[block], min(bs, end - k * bs))
+
+    def draft_written_prefix(self, table: BlockTable, limit: int) -> int:
+        """How many leading positions of ``table`` (at most ``limit``) the extra stores hold."""
+        bs, written = self.block_size, 0
+        for block in table.blocks:
+            if written >= limit:
+                break
+            filled = int(self.draft_slots[block])
+            written += filled
+            if filled < bs:
+                break
+        return min(written, limit)
 
     # -- prefix cache ---------------------------------------------------------------------------
     def acquire_prefix(self, keys: np.ndarray, namespace: bytes = b"") -> BlockTable:
@@ -172,8 +208,7 @@ class KVCache:
             except OutOfBlocksError:  # no room: those slots are computed instead
                 fresh = None
             if fresh is not None:
-                self.storage.copy_blocks([match.partial_block], [fresh],
-                                         num_tokens=match.partial_tokens)
+                self._copy_block(match.partial_block, fresh, match.partial_tokens)
                 table.blocks.append(fresh)
                 table.num_tokens += match.partial_tokens
             self.tree.unlock([match.partial_block])
@@ -240,6 +275,7 @@ class KVCache:
         holes = [b for b in range(n_live) if not (ref[b] or cached[b])]
         mapping = dict(zip(movers, holes))
         self.storage.move_blocks(mapping)
+        self.draft_slots[holes[:len(movers)]] = self.draft_slots[movers]
         self.pool.relocate(mapping)
         self.tree.relocate(mapping)
         self.metrics.compactions += 1
@@ -261,6 +297,10 @@ class KVCache:
         self.pool.resize(num_blocks)
         self.tree.resize(num_blocks)
         self.storage.resize(num_blocks)
+        slots = np.zeros(num_blocks, dtype=np.int64)
+        kept = min(num_blocks, self.draft_slots.shape[0])
+        slots[:kept] = self.draft_slots[:kept]
+        self.draft_slots = slots
         return mapping
 
     # -- reporting ------------------------------------------------------------------------------
@@ -273,5 +313,8 @@ class KVCache:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         self.tree.check_integrity()
+        slots = self.draft_slots
+        assert slots.shape == (self.pool.num_blocks,), "draft_slots does not cover the pool"
+        assert slots.min(initial=0) >= 0 and slots.max(initial=0) <= self.block_size, "draft_slots out of range"
         if self.host_pool is not None:
             self.host_pool.check_integrity()

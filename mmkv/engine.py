@@ -99,7 +99,7 @@ class Engine:
         self.decode_threads = DecodeThreads(cores) if self.device.type == "cpu" and cores > 1 else None
         self.speculator = None
         if draft is not None:
-            self.speculator = DraftModelSpeculator(self.model, draft, self.kv.storage,
+            self.speculator = DraftModelSpeculator(self.model, draft, self.kv,
                                                    speculative, self._context)
         elif speculative is not None:
             self.speculator = EarlyExitSpeculator(self.model, speculative, self._context)

@@ -194,6 +194,7 @@ class Scheduler:
                 self.cached_prompt_tokens += cached
             seq.table, seq.num_computed = table, cached
             seq.num_cached_blocks = cached // self.kv.block_size
+            seq.draft_valid = None  # a new table: a draft model reads what its blocks hold
             self._run(seq, batch, n)
             prefilling.append(seq)
             budget -= n

@@ -69,7 +69,7 @@ class Sequence:
     rope: MRopePositions | None = None  # M-RoPE models: positions fixed at submission
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
     drafting: DraftHistory | None = None  # speculative decoding: its drafts' record
-    draft_valid: int | None = None  # a draft model's K/V is current for positions below this
+    draft_valid: int | None = None  # a draft model's K/V is current below this (None: ask the cache)
     _array: np.ndarray = field(default=None, repr=False)
 
     @property

@@ -22,8 +22,11 @@ Two drafts:
   verification runs only layers ``[k, L)`` from the saved layer-``k`` hidden states: no position's
   lower layers are computed twice and the draft needs no K/V of its own (zero extra blocks).
 * **Draft model** (``DraftModelSpeculator``): a separate small model with the same tokenizer whose
-  K/V live in a second store of the same blocks (one block table, two physical stores), kept in step
-  by running it on every token the target computes; a prefix-cache hit serves both.
+  K/V live in a second store of the same blocks (one block table, two physical stores). It runs on
+  prompt chunks while the controller has lately been running rounds, and otherwise fills in what
+  it skipped in one catch-up pass when its sequence next drafts; the cache counts, per block, the
+  leading slots whose draft K/V is current (``KVCache.draft_slots``), so a prefix-cache hit serves
+  the draft as far as those reach and no further.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from cache import KVStorage
+from cache import KVCache
 from mmkv.attention.metadata import next_position
 from mmkv.models import ModelAdapter, StepContext
 from mmkv.sampler import filtered_probs
@@ -156,7 +159,7 @@ class Speculator(ABC):
                                                    for n, g in zip(lens, gammas)), clock() - start)
         for seq, n, c, d, v, u in zip(seqs, lens, chosen, drafts, verdicts, unsure):
             controller.observe_round(self._history(seq), c, len(d), v.accepted, u)
-            seq.draft_valid = n + v.accepted  # the pending token and the accepted drafts
+            self._drafted_through(seq, n - 1, n + v.accepted)  # the pending token, accepted drafts
         self.stats.rounds += len(seqs)
         self.stats.drafted += sum(gammas)
         self.stats.accepted += sum(v.accepted for v in verdicts)
@@ -171,6 +174,11 @@ class Speculator(ABC):
     def _begin(self, seqs: list[Sequence]) -> None:
         """A round starts for ``seqs``."""
         self._previous = None
+
+    def _drafted_through(self, seq: Sequence, start: int, end: int) -> None:
+        """The draft's K/V of positions ``[start, end)`` of ``seq`` is current, and so is all
+        before ``start``."""
+        seq.draft_valid = end
 
     def _draft_context(self, seqs: list[Sequence], kv_lens: list[int], live: list[int],
                        images: bool) -> StepContext:
@@ -226,40 +234,55 @@ class EarlyExitSpeculator(Speculator):
 class DraftModelSpeculator(Speculator):
     """A separate small model drafts from its own store of the same blocks."""
 
-    def __init__(self, model: ModelAdapter, draft: ModelAdapter, storage: KVStorage,
+    def __init__(self, model: ModelAdapter, draft: ModelAdapter, kv: KVCache,
                  config: SpeculativeConfig, context: ContextFn) -> None:
         super().__init__(model, config, context)
         if draft.vocab_size != model.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.vocab_size}) differs from the "
                              f"target's ({model.vocab_size}); they must share a tokenizer")
         self.draft = draft
-        self.storage = storage  # its second store is the draft's (read afresh: a resize replaces it)
+        self.kv = kv  # its storage's second store is the draft's (read afresh: a resize replaces it)
 
     @property
     def draft_layers(self) -> list[torch.Tensor]:
-        return self.draft.layer_views(self.storage.stores[1])
+        return self.draft.layer_views(self.kv.storage.stores[1])
 
     def follow(self, input_ids, step, seqs, q_lens):
-        """Prompt chunks run through the draft too. A pure decoding pass does not: the controller
-        chose not to speculate (or these sequences never do), so the draft falls behind and
-        catches up in one pass when its sequence next joins a round (``_catch_up``)."""
+        """Prompt chunks run through the draft too while the controller has lately been running
+        rounds (``drafting_lately``); otherwise, and on pure decoding passes, the draft falls
+        behind and catches up in one pass when its sequence next joins a round (``_catch_up``),
+        so a workload the controller decodes plainly never pays for the draft's prefill."""
         if all(q == 1 for q in q_lens):
+            return
+        for seq in seqs:
+            self._watermark(seq)  # what its blocks held before this chunk
+        if not self.controller.drafting_lately():
             return
         self._forward_draft(input_ids, step)
         for seq, q in zip(seqs, q_lens):
-            if seq.draft_valid is None or seq.draft_valid >= seq.num_computed:
-                seq.draft_valid = seq.num_computed + q
+            if seq.draft_valid >= seq.num_computed:
+                self._drafted_through(seq, seq.num_computed, seq.num_computed + q)
+
+    def _watermark(self, seq: Sequence) -> int:
+        """Positions below which the draft's K/V of ``seq`` is current; for a sequence with a new
+        table, what the cache says its blocks hold."""
+        if seq.draft_valid is None:
+            seq.draft_valid = self.kv.draft_written_prefix(seq.table, seq.num_computed)
+        return seq.draft_valid
+
+    def _drafted_through(self, seq: Sequence, start: int, end: int) -> None:
+        super()._drafted_through(seq, start, end)
+        self.kv.mark_draft_written(seq.table, start, end)
 
     def _begin(self, seqs: list[Sequence]) -> None:
         super()._begin(seqs)
         self._catch_up(seqs)
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
-        """The draft's K/V for the positions it skipped (all but the pending token, which pass 0
-        computes), in one pass. A sequence it never followed (its prompt came from the cache)
-        trusts the cached blocks."""
-        behind = [(s, s.draft_valid) for s in seqs
-                  if s.draft_valid is not None and s.draft_valid < len(s.token_ids) - 1]
+        """The draft's K/V for the positions it has not computed (all but the pending token,
+        which pass 0 computes), in one pass."""
+        behind = [(s, self._watermark(s)) for s in seqs]
+        behind = [(s, v) for s, v in behind if v < len(s.token_ids) - 1]
         if not behind:
             return
         ends = [len(s.token_ids) - 1 for s, _ in behind]
@@ -268,6 +291,8 @@ class DraftModelSpeculator(Speculator):
         ids = torch.tensor([t for (s, v), e in zip(behind, ends) for t in s.token_ids[v:e]],
                            dtype=torch.long, device=step.batch.positions.device)
         self._forward_draft(ids, step)
+        for (seq, valid), end in zip(behind, ends):
+            self._drafted_through(seq, valid, end)
 
     def _forward_draft(self, ids: torch.Tensor, step, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The draft model over ``step``'s batch in its own store: logits of ``rows`` (none when

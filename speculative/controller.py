@@ -53,6 +53,8 @@ EXPLORE = 2
 EXPLORE_LENGTH = 2  # the most an exploring round drafts
 CLOSE_CALL = 1.5  # until plain decoding is timed, a round must promise this x its estimate
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
+ROUNDS_SMOOTHING = 0.1  # weight of the latest step in ``rounds_share``
+PREFILL_DRAFT_SHARE = 0.2  # the draft model follows prompts while rounds_share is at least this
 
 
 class DraftLengthController:
@@ -69,6 +71,7 @@ class DraftLengthController:
         self.decisions = 0  # draft lengths chosen (one per sequence and step)
         self.zero = 0  # ... of which 0
         self.plain_steps = 0  # steps in which every candidate drafted 0
+        self.rounds_share = 1.0  # smoothed share of recent steps that ran a round
         self.histories: deque[DraftHistory] = deque(maxlen=HISTORIES_KEPT)
 
     def new_history(self) -> DraftHistory:
@@ -85,7 +88,13 @@ class DraftLengthController:
         self.decisions += len(caps)
         self.zero += caps.count(0)
         self.plain_steps += not any(caps)
+        self.rounds_share += ROUNDS_SMOOTHING * (bool(any(caps)) - self.rounds_share)
         return caps
+
+    def drafting_lately(self) -> bool:
+        """Whether recent steps ran rounds: while they do not, a draft model's K/V of new prompts
+        is left to be filled in when a round needs it (a catch-up pass) instead of at prefill."""
+        return self.fixed or self.rounds_share >= PREFILL_DRAFT_SHARE
 
     def summary(self) -> dict[str, float]:
         """How often it drafted 0, and each sequence's mean draft length (drafts proposed per

@@ -184,3 +184,47 @@ def test_resize_below_the_blocks_in_use_changes_nothing():
         cache.resize(2)
     assert cache.pool.num_blocks == 8 and torch.equal(read(cache, table), data)
     cache.check_integrity()
+
+
+def test_draft_slots_count_only_what_the_extra_store_holds_for_the_current_tokens():
+    """``draft_slots``: 0 for a fresh block, grown by marks only where contiguous with what the
+    block holds, at most the copied slots through a copy, and moved with a compaction."""
+    cache = KVCache(LAYOUT, num_blocks=12)
+    bs = LAYOUT.block_size
+    table, _ = filled_table(cache, 10, seed=0)  # blocks a, b full; c holds 2 slots
+    assert cache.draft_written_prefix(table, 10) == 0
+    cache.mark_draft_written(table, 0, 6)
+    assert cache.draft_written_prefix(table, 10) == 6
+    cache.mark_draft_written(table, 9, 10)  # block c holds nothing: slot 1 alone is no prefix
+    assert cache.draft_slots[table.blocks[2]] == 0 and cache.draft_written_prefix(table, 10) == 6
+    cache.mark_draft_written(table, 6, 10)
+    assert cache.draft_written_prefix(table, 10) == 10 and cache.draft_written_prefix(table, 7) == 7
+    child = cache.fork(table)
+    cache.append_slots(child, 1)  # copy-on-write of the partial block: its 2 slots come along
+    assert cache.draft_slots[child.blocks[2]] == 2 and cache.draft_written_prefix(child, 11) == 10
+    cache.free(child)
+    cache.mark_draft_written(table, 10, 12)
+    cache.append_slots(table, 2)  # three full blocks, every slot held
+    cache.cache_prefix(table, make_keys(list(range(12))))
+    hit = cache.acquire_prefix(make_keys(list(range(10))))  # a private copy of 2 of block c's 4 slots
+    assert cache.draft_slots[hit.blocks[2]] == 2 and cache.draft_written_prefix(hit, 10) == 10
+    cache.free(hit)
+    cache.free(table)
+    cache.tree.evict(3)  # the freed blocks come back fresh: nothing held
+    again = cache.allocate(12)
+    assert not cache.draft_slots[again].any()
+    cache.pool.decref(again)
+    cache = KVCache(LAYOUT, num_blocks=12)
+    tables = [filled_table(cache, 8, seed=i)[0] for i in range(3)]  # blocks 0..5 in order
+    cache.mark_draft_written(tables[2], 0, 7)
+    cache.free(tables[0])
+    mapping = cache.compact()
+    assert sorted(mapping) == tables[2].blocks  # table 2 moves down into table 0's blocks
+    for t in tables[1:]:
+        t.remap(mapping)
+    cache.resize(6)
+    assert cache.draft_slots.shape == (6,) and cache.draft_written_prefix(tables[2], 8) == 7
+    assert cache.draft_slots[tables[2].blocks[1]] == bs - 1 and cache.draft_written_prefix(tables[1], 8) == 0
+    cache.check_integrity()
+    for t in tables[1:]:
+        cache.free(t)

@@ -187,13 +187,17 @@ def test_cached_generated_blocks_hold_no_rejected_kv(model_dirs, hf_oracle, tmp_
     assert eng.stats()["blocks_in_use"] == 0
 
 
+@pytest.mark.parametrize("prefill_draft", [True, False])
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])
-def test_draft_store_follows_prefix_hits_and_preemption(model_dirs, hf_oracle, preemption):
+def test_draft_store_follows_prefix_hits_and_preemption(model_dirs, hf_oracle, preemption,
+                                                        prefill_draft, monkeypatch):
     """With the target as its own draft every draft must be accepted: any stale or missing draft
-    K/V (after a prefix hit, a swap or a recompute) would show up as a rejection."""
+    K/V (after a prefix hit, a swap or a recompute) would show up as a rejection; with the draft
+    following prompts and with it leaving them to catch-up passes."""
     [doc] = prompts(44, [17])
     batch = [doc + q for q in prompts(45, [3, 5, 4, 6, 2])]
     eng = draft_engine(model_dirs["llama"], model_dirs["llama"], blocks=30, preemption=preemption)
+    monkeypatch.setattr(type(eng.speculator.controller), "drafting_lately", lambda self: prefill_draft)
     outs = eng.generate(batch, GREEDY)
     for p, o in zip(batch, outs):
         assert o.token_ids == hf_oracle("llama", p, 24)
@@ -315,3 +319,40 @@ def test_a_draft_model_speculates_again_after_plain_steps_between_rounds(model_d
     for rid, p, n in zip(ids, first + later, (40, 40, 6, 6)):
         assert outputs[rid].outputs[0].token_ids == hf_oracle("llama", p, n)
     assert stats["spec_acceptance_rate"] == 1.0 and stats["blocks_in_use"] == 0
+
+
+def test_a_draft_model_skipped_at_prefill_is_filled_in_not_trusted(model_dirs, hf_oracle, monkeypatch):
+    """While the controller runs no rounds the draft model skips prompts; the blocks those prompts
+    leave in the cache hold no draft K/V, and a later request that hits them catches the draft up
+    over them instead of drafting from whatever the draft store holds there. A prompt the draft
+    did follow serves a later hit without a catch-up. With the target as its own draft, any
+    position read without current draft K/V shows as a rejection."""
+    eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
+    eng.speculator.controller.costs = FrozenCosts(draft=lambda r: 0.01, verify=lambda r: 0.1 + r,
+                                                  plain=lambda r: 3 + 0.01 * r)  # rounds pay alone
+    [doc, other] = prompts(80, [21, 18])
+    one_token = SamplingParams(max_tokens=1, ignore_eos=True)
+    monkeypatch.setattr(type(eng.speculator.controller), "drafting_lately", lambda self: False)
+    eng.generate([doc + [5]], one_token)  # prefilled without the draft, no round
+    monkeypatch.undo()
+    eng.generate([other + [6]], one_token)  # prefilled with the draft
+    bs = eng.kv.block_size
+    caught_up = []
+    original = type(eng.speculator)._catch_up
+
+    def catch_up(self, seqs):
+        caught_up.extend(len(s.token_ids) - 1 - self._watermark(s) for s in seqs)
+        return original(self, seqs)
+
+    monkeypatch.setattr(type(eng.speculator), "_catch_up", catch_up)
+    batch = [doc + [7, 8], other + [9, 10]]
+    outs = eng.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True))
+    for p, o in zip(batch, outs):
+        assert o.token_ids == hf_oracle("llama", p, 12)
+    assert outs[0].cached_tokens >= len(doc) // bs * bs and outs[1].cached_tokens >= len(other) // bs * bs
+    # the first round: the skipped document is caught up from position 0 (its new prompt tokens
+    # were drafted over missing K/V); the followed one not at all (its cached blocks hold draft
+    # K/V and the draft followed its two new tokens)
+    assert caught_up[:2] == [len(doc) + 2, 0]
+    stats = eng.stats()
+    assert stats["spec_drafted_tokens"] > 0 and stats["spec_acceptance_rate"] == 1.0
