@@ -2,7 +2,9 @@
 
 Before each step ``Speculator.plan`` asks the controller (``speculative.controller``) for every
 decoding sequence's draft length ``gamma``, 0 included; when all are 0 the step decodes plainly.
-A round for a batch of decoding sequences (those with ``gamma`` 0 join with their pending token):
+A round for a batch of decoding sequences (those with ``gamma`` 0 join verification with their
+pending token; with early exit they also run draft pass 0, whose hidden states verification
+continues from):
 
 1. ``gamma + 1`` draft passes, one position at a time (the pending token, then each draft), write
    the draft's K/V into the sequence's own blocks and propose the next token; the last pass only
@@ -71,6 +73,8 @@ class Speculator(ABC):
     """Guarantees: every verdict is what the target alone would produce (greedy: the same
     tokens; sampling: the same distribution)."""
 
+    every_sequence_drafts = True  # a round's sequences that draft 0 still run draft pass 0
+
     def __init__(self, model: ModelAdapter, config: SpeculativeConfig, context: ContextFn,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.model, self.config, self.context = model, config, context
@@ -121,9 +125,10 @@ class Speculator(ABC):
         draft_probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         unsure = [False] * len(seqs)  # drafting stopped below the confidence threshold
         threshold = self.config.adaptive_threshold
-        self._begin(seqs)
+        drafting_seqs = [b for b in range(len(seqs)) if gammas[b] or self.every_sequence_drafts]
+        self._begin([seqs[b] for b in drafting_seqs])
         for i in range(max(gammas) + 1):
-            live = [b for b in range(len(seqs)) if i <= gammas[b]]
+            live = [b for b in drafting_seqs if i <= gammas[b]]
             if not live:  # every sequence stopped drafting early
                 break
             start = clock()
@@ -157,9 +162,10 @@ class Speculator(ABC):
                 verdicts.append(verify_sampling(d, qs, p, seq.generator))
         controller.observe_pass("verify", row, sum((g + 1) * n + g * (g + 1) // 2
                                                    for n, g in zip(lens, gammas)), clock() - start)
-        for seq, n, c, d, v, u in zip(seqs, lens, chosen, drafts, verdicts, unsure):
+        for b, (seq, n, c, d, v, u) in enumerate(zip(seqs, lens, chosen, drafts, verdicts, unsure)):
             controller.observe_round(self._history(seq), c, len(d), v.accepted, u)
-            self._drafted_through(seq, n - 1, n + v.accepted)  # the pending token, accepted drafts
+            if chosen[b] or self.every_sequence_drafts:
+                self._drafted_through(seq, n - 1, n + v.accepted)  # the pending token, accepted drafts
         self.stats.rounds += len(seqs)
         self.stats.drafted += sum(gammas)
         self.stats.accepted += sum(v.accepted for v in verdicts)
@@ -232,7 +238,11 @@ class EarlyExitSpeculator(Speculator):
 
 
 class DraftModelSpeculator(Speculator):
-    """A separate small model drafts from its own store of the same blocks."""
+    """A separate small model drafts from its own store of the same blocks. A round's
+    sequences that draft 0 only join verification: the draft neither catches them up nor reads
+    their pending token (it falls behind, as on a plain step)."""
+
+    every_sequence_drafts = False
 
     def __init__(self, model: ModelAdapter, draft: ModelAdapter, kv: KVCache,
                  config: SpeculativeConfig, context: ContextFn) -> None:

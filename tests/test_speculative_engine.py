@@ -356,3 +356,33 @@ def test_a_draft_model_skipped_at_prefill_is_filled_in_not_trusted(model_dirs, h
     assert caught_up[:2] == [len(doc) + 2, 0]
     stats = eng.stats()
     assert stats["spec_drafted_tokens"] > 0 and stats["spec_acceptance_rate"] == 1.0
+
+
+def test_a_draft_model_runs_only_for_the_sequences_that_draft(model_dirs, hf_oracle, monkeypatch):
+    """Rounds where one sequence drafts and the other drafts 0, alternating: the draft model reads
+    only the drafting sequence's positions (the other joins verification alone, falls behind and
+    is caught up when its turn comes). With the target as its own draft any position the draft
+    skipped but counted as current shows as a rejection."""
+    eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
+    turns = iter(range(1000))
+
+    def choose(histories, limits, lengths):  # two steps for one sequence, two for the other
+        turn = next(turns) // 2 % 2
+        return [min(2, limit) if i % 2 == turn else 0 for i, limit in enumerate(limits)]
+
+    monkeypatch.setattr(eng.speculator.controller, "choose", choose)
+    rows = []
+    original = type(eng.speculator)._draft_pass
+
+    def draft_pass(self, seqs, *rest):
+        rows.append(len(seqs))
+        return original(self, seqs, *rest)
+
+    monkeypatch.setattr(type(eng.speculator), "_draft_pass", draft_pass)
+    batch = prompts(81, [9, 14])
+    outs = eng.generate(batch, SamplingParams(max_tokens=16, ignore_eos=True))
+    for p, o in zip(batch, outs):
+        assert o.token_ids == hf_oracle("llama", p, 16)
+    stats = eng.stats()
+    assert rows and max(rows) == 1 and stats["spec_drafted_tokens"] >= 8
+    assert stats["spec_acceptance_rate"] == 1.0
