@@ -74,12 +74,14 @@ class Speculator(ABC):
     tokens; sampling: the same distribution)."""
 
     every_sequence_drafts = True  # a round's sequences that draft 0 still run draft pass 0
+    explore_sequences: int | None = None  # how many sequences the controller explores with (all)
 
     def __init__(self, model: ModelAdapter, config: SpeculativeConfig, context: ContextFn,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.model, self.config, self.context = model, config, context
         self.stats = SpeculationStats()
-        self.controller = DraftLengthController(config.num_tokens, config.draft_length == "fixed", clock)
+        self.controller = DraftLengthController(config.num_tokens, config.draft_length == "fixed", clock,
+                                                self.explore_sequences)
         self._previous: tuple[tuple[int, ...], StepContext] | None = None  # the last draft pass
 
     def follow(self, input_ids: torch.Tensor, step: StepContext, seqs: list[Sequence],
@@ -243,6 +245,7 @@ class DraftModelSpeculator(Speculator):
     their pending token (it falls behind, as on a plain step)."""
 
     every_sequence_drafts = False
+    explore_sequences = 4  # each must first have its draft K/V filled in
 
     def __init__(self, model: ModelAdapter, draft: ModelAdapter, kv: KVCache,
                  config: SpeculativeConfig, context: ContextFn) -> None:

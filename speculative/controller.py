@@ -29,7 +29,9 @@ plainly; as a batch shrinks, rows cost less than a pass's fixed part and specula
 
 Before it has timed ``EXPLORE`` verification passes the controller explores: it drafts up to
 ``EXPLORE_LENGTH`` tokens a sequence (positions not yet tried keep the optimistic prior, so
-longer drafts are tried where acceptance is high). Until plain decoding has been timed its cost
+longer drafts are tried where acceptance is high). With ``explore_sequences`` set it explores
+with that many sequences only (a draft model must first fill in the K/V of every sequence it
+drafts for; a few sequences teach the engine-wide rates and the pass costs just as well). Until plain decoding has been timed its cost
 is estimated as a draft pass plus a verification pass over the same rows (what a round drafting
 nothing computes); when the best round does not beat that estimate by ``CLOSE_CALL`` the step
 decodes plainly, so the estimate is replaced by a measurement before a close call is made on it. A draft length chosen from past
@@ -64,14 +66,16 @@ class DraftLengthController:
     ``fixed=True`` every sequence drafts its limit (the costs and rates are still learned)."""
 
     def __init__(self, positions: int, fixed: bool = False,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 explore_sequences: int | None = None) -> None:
         self.positions, self.fixed, self.clock = positions, fixed, clock
+        self.explore_sequences = explore_sequences  # None: every sequence explores
         self.costs = PassCosts()
         self.acceptance = AcceptanceModel(positions)
         self.decisions = 0  # draft lengths chosen (one per sequence and step)
         self.zero = 0  # ... of which 0
         self.plain_steps = 0  # steps in which every candidate drafted 0
-        self.rounds_share = 1.0  # smoothed share of recent steps that ran a round
+        self.rounds_share = 0.0  # smoothed share of recent steps that ran a round
         self.histories: deque[DraftHistory] = deque(maxlen=HISTORIES_KEPT)
 
     def new_history(self) -> DraftHistory:
@@ -118,7 +122,11 @@ class DraftLengthController:
         if not any(limits):
             return [0] * len(limits)
         if self.costs.count("verify") < EXPLORE:
-            return [min(limit, EXPLORE_LENGTH) for limit in limits]
+            caps, room = [], self.explore_sequences or len(limits)
+            for limit in limits:
+                caps.append(min(limit, EXPLORE_LENGTH) if room else 0)
+                room -= caps[-1] > 0
+            return caps
         costs, batch, context = self.costs, len(limits), sum(lengths)
         plain = batch / costs.predict("plain", batch, context)
         proposes, accepted, accepts = self._curves(histories, limits)

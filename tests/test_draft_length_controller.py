@@ -153,6 +153,28 @@ def test_the_controller_times_both_paths_before_it_decides():
     assert fixed.choose([fixed.new_history()], [3], [10]) == [3]
 
 
+def test_exploring_rounds_draft_for_at_most_explore_sequences_and_rounds_share_follows():
+    """A draft model explores with a few sequences (each must have its draft K/V filled in first),
+    early exit with every one; ``drafting_lately`` turns on once rounds run and off once the
+    steps decode plainly."""
+    few = DraftLengthController(4, explore_sequences=2)
+    histories = [few.new_history() for _ in range(5)]
+    assert not few.drafting_lately()  # nothing ran yet: the draft waits for a round
+    assert few.choose(histories, [3, 0, 3, 3, 3], [10] * 5) == [EXPLORE_LENGTH, 0, EXPLORE_LENGTH, 0, 0]
+    every = DraftLengthController(4)
+    assert every.choose([every.new_history() for _ in range(3)], [3, 1, 3], [10] * 3) == [EXPLORE_LENGTH, 1, EXPLORE_LENGTH]
+    for _ in range(3):
+        few.choose(histories, [3] * 5, [10] * 5)
+    assert few.drafting_lately()
+    for _ in range(EXPLORE):
+        few.observe_pass("draft", 1, 10, 100.0)
+        few.observe_pass("verify", 4, 40, 100.0)
+        few.observe_pass("plain", 5, 50, 1.0)
+    for _ in range(20):
+        assert few.choose(histories, [3] * 5, [10] * 5) == [0] * 5
+    assert not few.drafting_lately()
+
+
 def test_linear_fit_recovers_a_linear_cost_and_clips_spikes():
     fit = LinearFit(decay=1.0, ridge=1e-9)
     for rows, context in ((1, 100), (8, 900), (32, 5000), (16, 1000), (4, 4000)):

@@ -332,9 +332,10 @@ def test_a_draft_model_skipped_at_prefill_is_filled_in_not_trusted(model_dirs, h
                                                   plain=lambda r: 3 + 0.01 * r)  # rounds pay alone
     [doc, other] = prompts(80, [21, 18])
     one_token = SamplingParams(max_tokens=1, ignore_eos=True)
-    monkeypatch.setattr(type(eng.speculator.controller), "drafting_lately", lambda self: False)
+    follow = [False]
+    monkeypatch.setattr(type(eng.speculator.controller), "drafting_lately", lambda self: follow[0])
     eng.generate([doc + [5]], one_token)  # prefilled without the draft, no round
-    monkeypatch.undo()
+    follow[0] = True
     eng.generate([other + [6]], one_token)  # prefilled with the draft
     bs = eng.kv.block_size
     caught_up = []
