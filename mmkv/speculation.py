@@ -103,7 +103,12 @@ class Speculator(ABC):
         """Each sequence's draft length for the next round, at most ``limits[i]`` (the
         controller's choice; all 0: decode plainly)."""
         return self.controller.choose([self._history(s) for s in seqs], limits,
-                                      [len(s.token_ids) for s in seqs])
+                                      [len(s.token_ids) for s in seqs], self._behind(seqs))
+
+    def _behind(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
+        """For each sequence, the positions its draft must fill in before it can draft and the
+        tokens it may still generate (None: a draft never falls behind)."""
+        return None
 
     def observe_plain(self, rows: int, context: int, seconds: float) -> None:
         """A plain decoding pass over ``rows`` sequences attending ``context`` tokens took this."""
@@ -275,6 +280,10 @@ class DraftModelSpeculator(Speculator):
         for seq, q in zip(seqs, q_lens):
             if seq.draft_valid >= seq.num_computed:
                 self._drafted_through(seq, seq.num_computed, seq.num_computed + q)
+
+    def _behind(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        return [(len(s.token_ids) - 1 - self._watermark(s), s.params.max_tokens - len(s.output_ids))
+                for s in seqs]
 
     def _watermark(self, seq: Sequence) -> int:
         """Positions below which the draft's K/V of ``seq`` is current; for a sequence with a new

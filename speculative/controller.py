@@ -27,6 +27,13 @@ decoding's goodput and is raised to the best round's once (Dinkelbach's iteratio
 is taken if it beats plain decoding, otherwise every sequence drafts 0 and the step decodes
 plainly; as a batch shrinks, rows cost less than a pass's fixed part and speculation returns.
 
+Catch-up. A draft model that is behind on a sequence (its prompt left to a catch-up pass, or
+plain steps since its last round) must first fill in those positions. A round with any such
+sequence pays a catch-up pass's fixed cost, and each sequence's catch-up rows are charged spread
+over the rounds it has left (tokens it may still generate over its expected tokens a round): it
+drafts only where its expected tokens, net of their rows' cost at the goodput ``R``, cover that
+charge.
+
 Before it has timed ``EXPLORE`` verification passes the controller explores: it drafts up to
 ``EXPLORE_LENGTH`` tokens a sequence (positions not yet tried keep the optimistic prior, so
 longer drafts are tried where acceptance is high). With ``explore_sequences`` set it explores
@@ -83,10 +90,12 @@ class DraftLengthController:
         self.histories.append(history)
         return history
 
-    def choose(self, histories: list[DraftHistory], limits: list[int],
-               lengths: list[int]) -> list[int]:
-        """Draft lengths for sequences of context ``lengths`` that may draft up to ``limits``."""
-        caps = list(limits) if self.fixed else self._caps(histories, limits, lengths)
+    def choose(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
+               behind: list[tuple[int, int]] | None = None) -> list[int]:
+        """Draft lengths for sequences of context ``lengths`` that may draft up to ``limits``;
+        ``behind``: for each, the positions a draft model must fill in before it can draft and
+        the tokens it may still generate."""
+        caps = list(limits) if self.fixed else self._caps(histories, limits, lengths, behind)
         for history, cap in zip(histories, caps):
             history.decisions += 1
         self.decisions += len(caps)
@@ -117,8 +126,8 @@ class DraftLengthController:
     def observe_pass(self, kind: str, rows: int, context: int, seconds: float) -> None:
         self.costs.observe(kind, rows, context, seconds)
 
-    def _caps(self, histories: list[DraftHistory], limits: list[int],
-              lengths: list[int]) -> list[int]:
+    def _caps(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
+              behind: list[tuple[int, int]] | None = None) -> list[int]:
         if not any(limits):
             return [0] * len(limits)
         if self.costs.count("verify") < EXPLORE:
@@ -132,10 +141,22 @@ class DraftLengthController:
         proposes, accepted, accepts = self._curves(histories, limits)
         sizes = np.asarray(lengths, dtype=np.float64)
         per_row = _variable(costs, "draft", 1.0, sizes) + _variable(costs, "verify", 1.0, sizes)
+        debts, left = (np.zeros((2, batch)) if behind is None
+                       else np.asarray(behind, dtype=np.float64).T)
+        catch_up = _variable(costs, "draft", debts, debts * (sizes - debts / 2))  # seconds each
+        charge = np.zeros(batch)
         best, caps, goal = plain, [0] * batch, plain
         for _ in range(2):
             horizons = (accepted >= goal * per_row[:, None]).sum(axis=1)
-            rate, length = self._best_round(proposes, accepts, horizons, sizes)
+            if debts.any():  # drafting must also earn its catch-up, spread over its rounds left
+                within = np.arange(proposes.shape[1]) < horizons[:, None]
+                rounds_left = np.maximum(1.0, left / (1.0 + (accepts * within).sum(axis=1)))
+                charge = catch_up / rounds_left
+                net = ((accepts - goal * per_row[:, None] * proposes) * within).sum(axis=1)
+                horizons[net < goal * charge] = 0
+            drafting = horizons > 0
+            rate, length = self._best_round(proposes, accepts, horizons, sizes,
+                                            float(charge[drafting].sum()), bool(debts[drafting].any()))
             if rate <= best:
                 break
             best, goal = rate, rate
@@ -161,9 +182,12 @@ class DraftLengthController:
         return out[0], out[1], out[2]
 
     def _best_round(self, proposes: np.ndarray, accepts: np.ndarray, horizons: np.ndarray,
-                    lengths: np.ndarray) -> tuple[float, int]:
+                    lengths: np.ndarray, catch_up: float = 0.0,
+                    catches_up: bool = False) -> tuple[float, int]:
         """The best goodput of a round of length ``L`` (caps ``min(L, h_b)``) and that ``L``
-        (the shortest of equals), every ``L`` priced at once: column ``i - 1`` is draft pass ``i``."""
+        (the shortest of equals), every ``L`` priced at once: column ``i - 1`` is draft pass ``i``.
+        ``catch_up``: seconds of the drafting sequences' catch-up rows charged to this round
+        (``catches_up``: a catch-up pass runs, at its fixed cost)."""
         longest = int(horizons.max(initial=0))
         if longest == 0:
             return 0.0, 0
@@ -174,8 +198,8 @@ class DraftLengthController:
         rows = d.sum(axis=0)
         attended = (d * (lengths[:, None] + position)).sum(axis=0)
         runs = 1.0 - np.prod(1.0 - d, axis=0)  # the pass runs if anyone proposes in it
-        seconds = costs.predict("draft", batch, context) + np.cumsum(
-            runs * costs.fixed("draft") + _variable(costs, "draft", rows, attended))
+        first = costs.predict("draft", batch, context) + catch_up + catches_up * costs.fixed("draft")
+        seconds = first + np.cumsum(runs * costs.fixed("draft") + _variable(costs, "draft", rows, attended))
         tokens = batch + np.cumsum((accepts[:, :longest] * carried).sum(axis=0))
         verify = _predict(costs, "verify", batch + np.cumsum(rows), context + np.cumsum(attended))
         rate = tokens / (seconds + verify)

@@ -175,6 +175,26 @@ def test_exploring_rounds_draft_for_at_most_explore_sequences_and_rounds_share_f
     assert not few.drafting_lately()
 
 
+def test_a_draft_far_behind_drafts_only_where_its_catch_up_pays_over_the_rounds_left():
+    """Three sequences with a draft always right: one caught up, two behind by 3000 positions
+    (a prompt the draft model skipped), one of them with 2 tokens left and one with 300. The
+    catch-up is charged spread over the rounds each has left: the one about to end does not draft,
+    the long one does, as does the caught-up one."""
+    controller = DraftLengthController(4)
+    histories = [controller.new_history() for _ in range(3)]
+    for _ in range(6):
+        for h in histories:
+            controller.observe_round(h, 4, 4, 4, False)
+        for rows in (3, 3000):
+            controller.observe_pass("draft", rows, rows * 4000, 0.1 + 0.001 * rows)
+        for rows in (3, 15):
+            controller.observe_pass("verify", rows, rows * 4000, 2.0 + 0.01 * rows)
+        controller.observe_pass("plain", 3, 12000, 2.0 + 0.01 * 3)
+    limits, lengths = [4, 4, 4], [4000, 4000, 4000]
+    assert controller.choose(histories, limits, lengths) == [4, 4, 4]
+    assert controller.choose(histories, limits, lengths, [(0, 300), (3000, 2), (3000, 300)]) == [4, 0, 4]
+
+
 def test_linear_fit_recovers_a_linear_cost_and_clips_spikes():
     fit = LinearFit(decay=1.0, ridge=1e-9)
     for rows, context in ((1, 100), (8, 900), (32, 5000), (16, 1000), (4, 4000)):

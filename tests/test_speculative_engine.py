@@ -367,7 +367,7 @@ def test_a_draft_model_runs_only_for_the_sequences_that_draft(model_dirs, hf_ora
     eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
     turns = iter(range(1000))
 
-    def choose(histories, limits, lengths):  # two steps for one sequence, two for the other
+    def choose(histories, limits, lengths, behind):  # two steps for one sequence, two for the other
         turn = next(turns) // 2 % 2
         return [min(2, limit) if i % 2 == turn else 0 for i, limit in enumerate(limits)]
 
@@ -387,3 +387,24 @@ def test_a_draft_model_runs_only_for_the_sequences_that_draft(model_dirs, hf_ora
     stats = eng.stats()
     assert rows and max(rows) == 1 and stats["spec_drafted_tokens"] >= 8
     assert stats["spec_acceptance_rate"] == 1.0
+
+
+def test_a_draft_model_tells_the_controller_how_far_behind_each_sequence_is(model_dirs, monkeypatch):
+    """A prompt prefilled without the draft: the controller's first choice sees the whole prompt
+    still to fill in and the tokens left to generate, and once a round has caught the draft up,
+    nothing behind."""
+    eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
+    controller = eng.speculator.controller
+    monkeypatch.setattr(type(controller), "drafting_lately", lambda self: False)
+    seen = []
+    original = type(controller).choose
+
+    def choose(self, histories, limits, lengths, behind=None):
+        seen.append(behind)
+        return original(self, histories, limits, lengths, behind)
+
+    monkeypatch.setattr(type(controller), "choose", choose)
+    [prompt] = prompts(82, [13])
+    eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert seen[0] == [(len(prompt), 7)]
+    assert eng.stats()["spec_rounds"] > 0 and any(b[0][0] == 0 for b in seen[1:])
