@@ -315,6 +315,7 @@ class KVCache:
         self.tree.check_integrity()
         slots = self.draft_slots
         assert slots.shape == (self.pool.num_blocks,), "draft_slots does not cover the pool"
-        assert slots.min(initial=0) >= 0 and slots.max(initial=0) <= self.block_size, "draft_slots out of range"
+        assert slots.min(initial=0) >= 0 and slots.max(initial=0) <= self.block_size, \
+            "draft_slots out of range"
         if self.host_pool is not None:
             self.host_pool.check_integrity()

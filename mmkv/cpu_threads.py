@@ -43,7 +43,7 @@ class DecodeThreads:
         self.switches = 0
         self.explore_every, self.settle_every, self.settle_after = explore_every, settle_every, settle_after
         self.smoothing, self.margin, self.clock = smoothing, margin, clock
-        self._previous: tuple[int, int, float] | None = None  # (threads, batch, seconds) of the last decoding step
+        self._previous: tuple[int, int, float] | None = None  # the last decoding step: threads, batch, seconds
         self._since_explore = 0
 
     @property

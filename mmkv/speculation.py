@@ -169,9 +169,9 @@ class Speculator(ABC):
                 verdicts.append(verify_sampling(d, qs, p, seq.generator))
         controller.observe_pass("verify", row, sum((g + 1) * n + g * (g + 1) // 2
                                                    for n, g in zip(lens, gammas)), clock() - start)
-        for b, (seq, n, c, d, v, u) in enumerate(zip(seqs, lens, chosen, drafts, verdicts, unsure)):
+        for seq, n, c, d, v, u in zip(seqs, lens, chosen, drafts, verdicts, unsure):
             controller.observe_round(self._history(seq), c, len(d), v.accepted, u)
-            if chosen[b] or self.every_sequence_drafts:
+            if c or self.every_sequence_drafts:
                 self._drafted_through(seq, n - 1, n + v.accepted)  # the pending token, accepted drafts
         self.stats.rounds += len(seqs)
         self.stats.drafted += sum(gammas)

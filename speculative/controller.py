@@ -32,17 +32,19 @@ plain steps since its last round) must first fill in those positions. A round wi
 sequence pays a catch-up pass's fixed cost, and each sequence's catch-up rows are charged spread
 over the rounds it has left (tokens it may still generate over its expected tokens a round): it
 drafts only where its expected tokens, net of their rows' cost at the goodput ``R``, cover that
-charge.
+charge. ``drafting_lately`` (the smoothed share of recent steps that ran a round, from 0) tells a
+draft model whether to follow prompts at prefill or leave them to catch-up.
 
 Before it has timed ``EXPLORE`` verification passes the controller explores: it drafts up to
 ``EXPLORE_LENGTH`` tokens a sequence (positions not yet tried keep the optimistic prior, so
 longer drafts are tried where acceptance is high). With ``explore_sequences`` set it explores
 with that many sequences only (a draft model must first fill in the K/V of every sequence it
-drafts for; a few sequences teach the engine-wide rates and the pass costs just as well). Until plain decoding has been timed its cost
-is estimated as a draft pass plus a verification pass over the same rows (what a round drafting
-nothing computes); when the best round does not beat that estimate by ``CLOSE_CALL`` the step
-decodes plainly, so the estimate is replaced by a measurement before a close call is made on it. A draft length chosen from past
-rounds only (never from the round's own outcomes) leaves verification exact.
+drafts for; a few sequences teach the engine-wide rates and the pass costs just as well). Until
+plain decoding has been timed its cost is estimated as a draft pass plus a verification pass over
+the same rows (what a round drafting nothing computes); when the best round does not beat that
+estimate by ``CLOSE_CALL`` the step decodes plainly, so the estimate is replaced by a measurement
+before a close call is made on it. A draft length chosen from past rounds only (never from the
+round's own outcomes) leaves verification exact.
 
 Invariant: a chosen length is in ``[0, limit]``; with ``fixed`` it is the limit.
 """
