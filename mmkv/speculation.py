@@ -312,7 +312,10 @@ class DraftModelSpeculator(Speculator):
                             images=False)
         ids = torch.tensor([t for (s, v), e in zip(behind, ends) for t in s.token_ids[v:e]],
                            dtype=torch.long, device=step.batch.positions.device)
+        start = self.controller.clock()
         self._forward_draft(ids, step)
+        attended = sum(e * (e + 1) - v * (v + 1) for (_, v), e in zip(behind, ends)) // 2
+        self.controller.observe_pass("draft", ids.shape[0], attended, self.controller.clock() - start)
         for (seq, valid), end in zip(behind, ends):
             self._drafted_through(seq, valid, end)
 
