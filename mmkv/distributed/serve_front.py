@@ -25,7 +25,7 @@ from mmkv.distributed.affinity import image_affinity, prefix_affinity
 from mmkv.engine import render_chat
 from mmkv.server.async_engine import Admission, ChatPrompt, Ticket
 
-STALE_S = 5.0  # a replica silent for this long counts as down
+STALE_S = 2.0  # a replica silent for this long (8 heartbeats) counts as down
 
 
 class ReplicaInfo(NamedTuple):
