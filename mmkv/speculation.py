@@ -99,15 +99,18 @@ class Speculator(ABC):
                        lens: list[int]) -> torch.Tensor:
         """The target's logits at the ``gamma + 1`` positions of every sequence, packed."""
 
-    def plan(self, seqs: list[Sequence], limits: list[int]) -> list[int]:
+    def plan(self, seqs: list[Sequence], limits: list[int], left: list[int]) -> list[int]:
         """Each sequence's draft length for the next round, at most ``limits[i]`` (the
-        controller's choice; all 0: decode plainly)."""
+        controller's choice; all 0: decode plainly); ``left[i]``: the tokens it may still
+        generate."""
+        behind = self._behind(seqs)
         return self.controller.choose([self._history(s) for s in seqs], limits,
-                                      [len(s.token_ids) for s in seqs], self._behind(seqs))
+                                      [len(s.token_ids) for s in seqs],
+                                      None if behind is None else list(zip(behind, left)))
 
-    def _behind(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
-        """For each sequence, the positions its draft must fill in before it can draft and the
-        tokens it may still generate (None: a draft never falls behind)."""
+    def _behind(self, seqs: list[Sequence]) -> list[int] | None:
+        """For each sequence, the positions its draft must fill in before it can draft (None: a
+        draft never falls behind)."""
         return None
 
     def observe_plain(self, rows: int, context: int, seconds: float) -> None:
@@ -281,9 +284,8 @@ class DraftModelSpeculator(Speculator):
             if seq.draft_valid >= seq.num_computed:
                 self._drafted_through(seq, seq.num_computed, seq.num_computed + q)
 
-    def _behind(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        return [(len(s.token_ids) - 1 - self._watermark(s), s.params.max_tokens - len(s.output_ids))
-                for s in seqs]
+    def _behind(self, seqs: list[Sequence]) -> list[int]:
+        return [len(s.token_ids) - 1 - self._watermark(s) for s in seqs]
 
     def _watermark(self, seq: Sequence) -> int:
         """Positions below which the draft's K/V of ``seq`` is current; for a sequence with a new

@@ -67,7 +67,7 @@ def decode(spec: ScriptedPair, seqs: list[Sequence], steps: int, plain_cost) -> 
     Returns the lengths chosen at each step."""
     chosen = []
     for _ in range(steps):
-        gammas = spec.plan(seqs, [LIMIT] * len(seqs))
+        gammas = spec.plan(seqs, [LIMIT] * len(seqs), [s.params.max_tokens for s in seqs])
         chosen.append(gammas)
         if any(gammas):
             for seq, verdict in zip(seqs, spec.round(seqs, gammas, [set()] * len(seqs))):

@@ -3,10 +3,11 @@
 Reads exactly the metadata FlashInfer's kernels receive (``PagedBatch``). Sequences with many new
 tokens (prompt chunks) are attended one at a time with torch's SDPA (queries in chunks, so memory
 stays bounded for long prompts; a chunk after earlier ones attends the keys before it unmasked and
-its own square causally, merged by log-sum-exp, so no score above the diagonal is computed); those with a few (decode steps, speculative verification) are
-attended together, their queries padded to the longest. Decode groups that share leading
-pages attend those pages once for the whole group and merge with each sequence's own pages by
-log-sum-exp, which gives the same result as attending the concatenation.
+its own square causally, merged by log-sum-exp, so no score above the diagonal is computed);
+those with a few (decode steps, speculative verification) are attended together, their queries
+padded to the longest. Decode groups that share leading pages attend those pages once for the
+whole group and merge with each sequence's own pages by log-sum-exp, which gives the same result
+as attending the concatenation.
 
 Guarantees: output equals dense causal attention (with the sliding window, when given) over the
 sequence's KV, up to floating-point rounding.
