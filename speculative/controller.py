@@ -24,8 +24,9 @@ goodput ``R`` it pays while ``A_bj >= R (m_draft + m_verify)``: that gives each 
 the longest horizon is priced with the passes' fixed costs, so a round stops before the longest
 horizon when its last passes carry too few rows to pay for themselves. ``R`` starts at plain
 decoding's goodput and is raised to the best round's once (Dinkelbach's iteration). The best round
-is taken if it beats plain decoding, otherwise every sequence drafts 0 and the step decodes
-plainly; as a batch shrinks, rows cost less than a pass's fixed part and speculation returns.
+is taken if it beats plain decoding by the margin (below), otherwise every sequence drafts 0 and
+the step decodes plainly; as a batch shrinks, rows cost less than a pass's fixed part and
+speculation returns.
 
 Catch-up. A draft model that is behind on a sequence (its prompt left to a catch-up pass, or
 plain steps since its last round) must first fill in those positions. A round with any such
@@ -36,15 +37,27 @@ charge. ``drafting_lately`` (the smoothed share of recent steps that ran a round
 draft model whether to follow prompts at prefill or leave them to catch-up.
 
 Before it has timed ``EXPLORE`` verification passes the controller explores: it drafts up to
-``EXPLORE_LENGTH`` tokens a sequence (positions not yet tried keep the optimistic prior, so
-longer drafts are tried where acceptance is high). With ``explore_sequences`` set it explores
+``EXPLORE_LENGTH`` tokens a sequence (a position not yet tried is expected to go as the deepest
+one tried, so longer drafts are tried where acceptance is high). With ``explore_sequences`` set it explores
 with that many sequences only (a draft model must first fill in the K/V of every sequence it
-drafts for; a few sequences teach the engine-wide rates and the pass costs just as well). Until
-plain decoding has been timed its cost is estimated as a draft pass plus a verification pass over
-the same rows (what a round drafting nothing computes); when the best round does not beat that
-estimate by ``CLOSE_CALL`` the step decodes plainly, so the estimate is replaced by a measurement
-before a close call is made on it. A draft length chosen from past rounds only (never from the
-round's own outcomes) leaves verification exact.
+drafts for; a few sequences teach the engine-wide rates and the pass costs just as well). Plain
+decoding's cost comes from the same fit as verification's (``speculative.costs``), so the
+exploring rounds time it too and every round keeps it current.
+
+The margin. A round is taken only when it promises ``ROUND_MARGIN`` times plain decoding's
+goodput: what the model leaves out (the engine's work around a round, the fits' noise) costs a
+round a few per cent, so a round priced at break-even is a loss measured.
+
+Holding. Planning costs 0.1-0.2 ms (tens of small array operations), a tenth of a batch-1 step of
+the bundled model. So a priced decision to decode plainly is kept without planning for the next
+steps while the batch stays in its size class (1, 2-3, 4-7, 8-15, ...): 1 step after the first
+such decision, doubling with every one that follows up to ``HOLD_MAX``; a move to another class
+ends the hold (a batch that halves is priced at once, its hold as long as the last), exploring or
+a round ends the doubling too. Nothing a plain step teaches the controller but plain decoding's
+cost changes while it holds.
+
+A draft length chosen from past rounds only (never from the round's own outcomes) leaves
+verification exact.
 
 Invariant: a chosen length is in ``[0, limit]``; with ``fixed`` it is the limit.
 """
@@ -62,7 +75,8 @@ from speculative.costs import CONTEXT_SCALE, ROW_SCALE, PassCosts
 
 EXPLORE = 2
 EXPLORE_LENGTH = 2  # the most an exploring round drafts
-CLOSE_CALL = 1.5  # until plain decoding is timed, a round must promise this x its estimate
+ROUND_MARGIN = 1.1  # a round must promise this x plain decoding's goodput
+HOLD_MAX = 16  # the most steps a priced plain decision is held
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
 ROUNDS_SMOOTHING = 0.1  # weight of the latest step in ``rounds_share``
 PREFILL_DRAFT_SHARE = 0.2  # the draft model follows prompts while rounds_share is at least this
@@ -86,6 +100,9 @@ class DraftLengthController:
         self.plain_steps = 0  # steps in which every candidate drafted 0
         self.rounds_share = 0.0  # smoothed share of recent steps that ran a round
         self.histories: deque[DraftHistory] = deque(maxlen=HISTORIES_KEPT)
+        self.planned = 0  # choices priced (the rest were held or explored)
+        self._priced = False  # whether the last choice was priced (not explored)
+        self._hold: tuple[int, int, int] | None = None  # batch size class, steps left, the span
 
     def new_history(self) -> DraftHistory:
         history = self.acceptance.new_history()
@@ -97,7 +114,13 @@ class DraftLengthController:
         """Draft lengths for sequences of context ``lengths`` that may draft up to ``limits``;
         ``behind``: for each, the positions a draft model must fill in before it can draft and
         the tokens it may still generate."""
-        caps = list(limits) if self.fixed else self._caps(histories, limits, lengths, behind)
+        if self.fixed:
+            caps = list(limits)
+        elif self._holding(len(limits)):
+            caps = [0] * len(limits)
+        else:
+            caps = self._caps(histories, limits, lengths, behind)
+            self._hold_after(caps)
         for history, cap in zip(histories, caps):
             history.decisions += 1
         self.decisions += len(caps)
@@ -106,17 +129,35 @@ class DraftLengthController:
         self.rounds_share += ROUNDS_SMOOTHING * (bool(any(caps)) - self.rounds_share)
         return caps
 
+    def _holding(self, batch: int) -> bool:
+        """Whether this step keeps a held plain decision (and counts it off)."""
+        hold, size = self._hold, batch.bit_length()
+        if hold is None or hold[0] != size or hold[1] == 0:
+            return False
+        self._hold = (size, hold[1] - 1, hold[2])
+        return True
+
+    def _hold_after(self, caps: list[int]) -> None:
+        """Start a hold after a priced plain decision, twice as long as the last one; after
+        anything else the next hold starts at 1."""
+        if any(caps) or not self._priced:
+            self._hold = None
+            return
+        span = 1 if self._hold is None else min(HOLD_MAX, 2 * self._hold[2])
+        self._hold = (len(caps).bit_length(), span, span)
+
     def drafting_lately(self) -> bool:
         """Whether recent steps ran rounds: while they do not, a draft model's K/V of new prompts
         is left to be filled in when a round needs it (a catch-up pass) instead of at prefill."""
         return self.fixed or self.rounds_share >= PREFILL_DRAFT_SHARE
 
     def summary(self) -> dict[str, float]:
-        """How often it drafted 0, and each sequence's mean draft length (drafts proposed per
-        step it decided for), summarised over the last ``HISTORIES_KEPT`` sequences."""
+        """How often it drafted 0 and how often it priced its choice, and each sequence's mean
+        draft length (drafts proposed per step it decided for), summarised over the last
+        ``HISTORIES_KEPT`` sequences."""
         means = [h.drafted / h.decisions for h in self.histories if h.decisions]
         return {"spec_decisions": self.decisions, "spec_zero_drafts": self.zero,
-                "spec_plain_steps": self.plain_steps,
+                "spec_plain_steps": self.plain_steps, "spec_planned": self.planned,
                 "spec_seq_mean_draft_length_min": round(min(means), 4) if means else 0.0,
                 "spec_seq_mean_draft_length_mean": round(sum(means) / len(means), 4) if means else 0.0,
                 "spec_seq_mean_draft_length_max": round(max(means), 4) if means else 0.0}
@@ -130,6 +171,7 @@ class DraftLengthController:
 
     def _caps(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
               behind: list[tuple[int, int]] | None = None) -> list[int]:
+        self._priced = False
         if not any(limits):
             return [0] * len(limits)
         if self.costs.count("verify") < EXPLORE:
@@ -138,6 +180,8 @@ class DraftLengthController:
                 caps.append(min(limit, EXPLORE_LENGTH) if room else 0)
                 room -= caps[-1] > 0
             return caps
+        self.planned += 1
+        self._priced = True
         costs, batch, context = self.costs, len(limits), sum(lengths)
         plain = batch / costs.predict("plain", batch, context)
         proposes, accepted, accepts = self._curves(histories, limits)
@@ -147,7 +191,7 @@ class DraftLengthController:
                        else np.asarray(behind, dtype=np.float64).T)
         catch_up = _variable(costs, "draft", debts, debts * (sizes - debts / 2))  # seconds each
         charge = np.zeros(batch)
-        best, caps, goal = plain, [0] * batch, plain
+        best, caps, goal = ROUND_MARGIN * plain, [0] * batch, plain
         for _ in range(2):
             horizons = (accepted >= goal * per_row[:, None]).sum(axis=1)
             if debts.any():  # drafting must also earn its catch-up, spread over its rounds left
@@ -163,8 +207,6 @@ class DraftLengthController:
                 break
             best, goal = rate, rate
             caps = np.minimum(length, horizons).tolist()
-        if self.costs.count("plain") < EXPLORE and best < CLOSE_CALL * plain:
-            return [0] * batch  # a close call on an estimate: time plain decoding first
         return caps
 
     def _curves(self, histories: list[DraftHistory], limits: list[int]) -> tuple[np.ndarray, ...]:
@@ -172,14 +214,21 @@ class DraftLengthController:
         arrays: it proposes a ``j``-th draft; its first ``j`` proposals are all accepted; both.
         Past a sequence's limit the rows hold 0, 0 and -1 (below any threshold). Each
         sequence's are kept on its history until a round is observed (a plain step changes no
-        rate)."""
+        rate); a sequence that has not drafted yet has the engine-wide ones, derived once."""
         model, everyone = self.acceptance, None
         out = np.zeros((3, len(limits), max(limits)))
         out[1] = -1.0
+        untried: dict[int, np.ndarray] = {}  # limit -> the engine-wide curves
         for row, (history, limit) in enumerate(zip(histories, limits)):
             if history.derived is None or history.derived[:2] != (model.version, limit):
                 everyone = everyone or model.engine_rates()
-                history.derived = (model.version, limit, _curves(*model.rates(history, limit, everyone)))
+                if history.proposed.trials[0]:
+                    curves = _curves(*model.rates(history, limit, everyone))
+                else:  # no round of its own yet: its rates are the engine's
+                    curves = untried.get(limit)
+                    if curves is None:
+                        curves = untried[limit] = _curves(everyone[0][:limit], everyone[1][:limit])
+                history.derived = (model.version, limit, curves)
             out[:, row, :limit] = history.derived[2]
         return out[0], out[1], out[2]
 
@@ -211,13 +260,13 @@ class DraftLengthController:
 
 def _variable(costs: PassCosts, kind: str, rows, context) -> np.ndarray:
     """``PassCosts.variable`` over arrays."""
-    _, t1, t2 = costs.fits[kind].theta
+    _, t1, t2 = costs.fit(kind).theta
     return np.maximum(t1 * np.asarray(rows) / ROW_SCALE + t2 * np.asarray(context) / CONTEXT_SCALE, 0.0)
 
 
 def _predict(costs: PassCosts, kind: str, rows: np.ndarray, context: np.ndarray) -> np.ndarray:
-    """``PassCosts.predict`` over arrays (``verify`` and ``draft`` only: no plain estimate)."""
-    t0, t1, t2 = costs.fits[kind].theta
+    """``PassCosts.predict`` over arrays."""
+    t0, t1, t2 = costs.fit(kind).theta
     return np.maximum(t0 + t1 * rows / ROW_SCALE + t2 * context / CONTEXT_SCALE, 1e-7)
 
 

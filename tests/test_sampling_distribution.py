@@ -107,8 +107,7 @@ def sample_many(directory, n: int, speculative: SpeculativeConfig | None, **filt
                  device="cpu", speculative=speculative)
     if speculative is not None:
         eng.speculator.controller.costs = FrozenCosts(draft=lambda r: 0.01 + 1e-5 * r,
-                                                      verify=lambda r: 1 + 1e-4 * r,
-                                                      plain=lambda r: 1 + 1e-4 * r)
+                                                      verify=lambda r: 1 + 1e-4 * r)
     outs = eng.generate([PROMPT] * n, params)
     return outs, eng.stats()
 
