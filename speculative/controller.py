@@ -38,11 +38,11 @@ draft model whether to follow prompts at prefill or leave them to catch-up.
 
 Before it has timed ``EXPLORE`` verification passes the controller explores: it drafts up to
 ``EXPLORE_LENGTH`` tokens a sequence (a position not yet tried is expected to go as the deepest
-one tried, so longer drafts are tried where acceptance is high). With ``explore_sequences`` set it explores
-with that many sequences only (a draft model must first fill in the K/V of every sequence it
-drafts for; a few sequences teach the engine-wide rates and the pass costs just as well). Plain
-decoding's cost comes from the same fit as verification's (``speculative.costs``), so the
-exploring rounds time it too and every round keeps it current.
+one tried, so longer drafts are tried where acceptance is high). With ``explore_sequences`` set
+it explores with that many sequences only (a draft model must first fill in the K/V of every
+sequence it drafts for; a few sequences teach the engine-wide rates and the pass costs just as
+well). Plain decoding's cost comes from the same fit as verification's (``speculative.costs``),
+so the exploring rounds time it too and every round keeps it current.
 
 The margin. A round is taken only when it promises ``ROUND_MARGIN`` times plain decoding's
 goodput: what the model leaves out (the engine's work around a round, the fits' noise) costs a
