@@ -50,11 +50,12 @@ round a few per cent, so a round priced at break-even is a loss measured.
 
 Holding. Planning costs 0.1-0.2 ms (tens of small array operations), a tenth of a batch-1 step of
 the bundled model. So a priced decision to decode plainly is kept without planning for the next
-steps while the batch stays in its size class (1, 2-3, 4-7, 8-15, ...): 1 step after the first
-such decision, doubling with every one that follows up to ``HOLD_MAX``; a move to another class
-ends the hold (a batch that halves is priced at once, its hold as long as the last), exploring or
-a round ends the doubling too. Nothing a plain step teaches the controller but plain decoding's
-cost changes while it holds.
+steps while the batch stays in its size class (1, 2-3, 4-7, 8-15, ...) or a larger one (a round
+pays less the more rows verification carries): 1 step after the first such decision, doubling
+with every one that follows up to ``HOLD_MAX``. A batch in a smaller class ends the hold (a batch
+that halves is priced at once, its hold as long as the last); exploring or a round ends the
+doubling too. Nothing a plain step teaches the controller but plain decoding's cost changes
+while it holds.
 
 A draft length chosen from past rounds only (never from the round's own outcomes) leaves
 verification exact.
@@ -131,10 +132,10 @@ class DraftLengthController:
 
     def _holding(self, batch: int) -> bool:
         """Whether this step keeps a held plain decision (and counts it off)."""
-        hold, size = self._hold, batch.bit_length()
-        if hold is None or hold[0] != size or hold[1] == 0:
+        hold = self._hold
+        if hold is None or batch.bit_length() < hold[0] or hold[1] == 0:
             return False
-        self._hold = (size, hold[1] - 1, hold[2])
+        self._hold = (hold[0], hold[1] - 1, hold[2])
         return True
 
     def _hold_after(self, caps: list[int]) -> None:

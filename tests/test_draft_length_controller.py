@@ -183,18 +183,21 @@ def test_a_round_must_promise_more_than_break_even():
 
 def test_plain_decisions_are_held_for_doubling_spans_while_the_batch_stays_in_its_class():
     """After a priced plain decision the next steps in that batch size class (1, 2-3, 4-7, ...)
-    decode plainly without planning: 1 step, then 2, 4, 8 (so 3 of 10 steps are priced); a batch
-    in another class is priced at once, and held on as long again; after a round the holds start
-    again at 1 step."""
+    or a larger one decode plainly without planning: 1 step, then 2, 4, 8 (so 3 of the first 8
+    steps are priced); a batch in a smaller class is priced at once, and held on as long again; after a
+    round the holds start again at 1 step."""
     controller = priced(0.00226)
     h = controller.history
-    for _ in range(10):
-        assert controller.choose([h], [1], [10]) == [0]
-    assert controller.planned == 3  # held 1, 2 and 4 steps; 2 of the 8 left
-    controller.choose([h, h], [1, 1], [10, 10])
-    assert controller.planned == 4  # held 8 steps: 2 and 3 are one class
     for _ in range(8):
-        controller.choose([h, h, h], [1, 1, 1], [10, 10, 10])
+        assert controller.choose([h, h], [1, 1], [10, 10]) == [0, 0]
+    assert controller.planned == 3  # held 1, 2 and 2 of 4 steps
+    controller.choose([h] * 3, [1] * 3, [10] * 3)  # 3: the class of 2
+    controller.choose([h] * 5, [1] * 5, [10] * 5)  # a larger class
+    assert controller.planned == 3
+    controller.choose([h], [1], [10])
+    assert controller.planned == 4  # a smaller class: priced, then held 8 steps
+    for _ in range(8):
+        controller.choose([h] * 4, [1] * 4, [10] * 4)
     assert controller.planned == 4
     controller.choose([h], [1], [10])
     assert controller.planned == 5  # held 16 steps
