@@ -321,13 +321,28 @@ class Engine:
             phase = "decode_tokens" if q == 1 and s.num_computed >= s.prompt_len else "computed_prefill_tokens"
             self._counters[phase] += q
             self.scheduler.commit(s, q)
+        greedy = self._greedy_tokens([seqs[i] for i in sampling], logits)
         for row, i in enumerate(sampling):
             try:
-                self._accept(seqs[i], logits[row])
+                if row in greedy:
+                    self._append(seqs[i], greedy[row])
+                else:
+                    self._accept(seqs[i], logits[row])
             except Exception as err:
                 failed.setdefault(seqs[i].request_id, err)
                 continue
             touched[seqs[i].request_id] = None
+
+    @staticmethod
+    def _greedy_tokens(seqs: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
+        """The next token of every row whose sequence decodes greedily, one token, without
+        logprobs, taken in one ``argmax`` over those rows (``sample`` row by row costs ~12 us
+        a row on the CPU, a twentieth of a batch-32 decoding step of the bundled model)."""
+        rows = [row for row, s in enumerate(seqs)
+                if s.params.greedy and s.params.n == 1 and s.params.logprobs is None]
+        if not rows:
+            return {}
+        return dict(zip(rows, logits[rows].argmax(dim=-1).tolist()))
 
     def _timed_plain(self, seqs: list[Sequence], q_lens: list[int], touched: dict[int, None],
                      failed: dict[int, BaseException]) -> None:
