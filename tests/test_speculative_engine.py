@@ -11,7 +11,7 @@ import torch
 from mmkv import Engine, SamplingParams
 from mmkv.models import MmkvVLM
 from mmkv.sequence import Sequence
-from mmkv.speculation import Speculator
+from mmkv.speculation import Speculator, _draft
 from speculative import PassCosts, SpeculativeConfig
 from test_engine_oracle import BLOCK_BYTES, prompts
 from tiny_models import FAMILIES, build_model, hf_greedy, load_hf
@@ -57,6 +57,25 @@ def test_early_exit_with_prefix_hits_preemption_and_adaptive_drafting(model_dirs
     assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0
     assert stats["spec_drafted_tokens"] < 4 * stats["spec_rounds"]  # adaptive rounds stopped early
     assert stats["blocks_in_use"] == 0
+
+
+def test_a_draft_pass_keeps_each_rows_token_and_confidence():
+    """The greedy rows of a draft pass are drafted together: each keeps its own argmax and its
+    distribution's top probability (what the confidence threshold reads); a sampled row draws from
+    its own filtered distribution, which verification needs."""
+    logits = torch.tensor([[4.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.1, 0.0], [0.0, 12.0, 0.0, 0.0],
+                           [0.0, 0.0, 0.0, 3.0]])
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams()]
+    seqs = [Sequence(seq_id=i, request_id=i, index=0, token_ids=[1], prompt_len=1, params=p, arrival=i,
+                     namespace=b"", generator=torch.Generator().manual_seed(3))
+            for i, p in enumerate(params)]
+    drafted = _draft(seqs, logits, need_confidence=True)
+    assert [token for token, _, _ in drafted] == [0, 2, 1, 3]
+    for row in (0, 1, 3):
+        assert drafted[row][1] is None
+        assert drafted[row][2] == pytest.approx(torch.softmax(logits[row], -1).max().item())
+    assert drafted[2][1].sum().item() == pytest.approx(1.0) and drafted[2][2] > 0.99
+    assert all(confidence is None for _, _, confidence in _draft(seqs[:2], logits[:2], False))
 
 
 class ScriptedDraft(Speculator):
