@@ -46,7 +46,7 @@ from mmkv.models import ModelAdapter, StepContext
 from mmkv.sampler import filtered_probs
 from mmkv.sequence import Sequence
 from speculative import (DraftHistory, DraftLengthController, SpeculativeConfig, Verdict,
-                         verify_greedy, verify_sampling)
+                         greedy_verdict, verify_sampling)
 
 ContextFn = Callable[..., StepContext]  # (seqs, q_lens, kv_lens, images=True): the engine's step context
 
@@ -160,12 +160,13 @@ class Speculator(ABC):
             controller.observe_pass("draft", len(live), sum(lens[b] + i for b in live), clock() - start)
         start = clock()
         logits = self._verify_logits(seqs, gammas, drafts, lens)
+        best = logits.argmax(dim=-1).tolist()  # the greedy sequences' verdicts read one argmax
         verdicts, row = [], 0
         for seq, g, d, q in zip(seqs, gammas, drafts, draft_probs):
             rows = logits[row:row + g + 1]
             row += g + 1
             if seq.params.greedy:
-                verdicts.append(verify_greedy(d, rows))
+                verdicts.append(greedy_verdict(d, best[row - g - 1:row]))
             else:
                 p = torch.stack([filtered_probs(r, seq.params) for r in rows]).cpu()
                 qs = torch.stack(q).cpu() if q else p[:0]

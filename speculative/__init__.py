@@ -5,7 +5,7 @@ from speculative.acceptance import DraftHistory
 from speculative.config import DRAFT_LENGTHS, METHODS, SpeculativeConfig
 from speculative.controller import DraftLengthController
 from speculative.costs import PassCosts
-from speculative.verification import Verdict, verify_greedy, verify_sampling
+from speculative.verification import Verdict, greedy_verdict, verify_greedy, verify_sampling
 
 __all__ = ["DRAFT_LENGTHS", "METHODS", "DraftHistory", "DraftLengthController", "PassCosts",
-           "SpeculativeConfig", "Verdict", "verify_greedy", "verify_sampling"]
+           "SpeculativeConfig", "Verdict", "greedy_verdict", "verify_greedy", "verify_sampling"]

@@ -28,7 +28,12 @@ class Verdict(NamedTuple):
 def verify_greedy(drafts: list[int], target_logits: torch.Tensor) -> Verdict:
     """``target_logits`` ``[len(drafts) + 1, vocab]``: row ``i`` predicts the token after the
     ``i``-th input (the last accepted token, then each draft)."""
-    best = target_logits.argmax(dim=-1).tolist()
+    return greedy_verdict(drafts, target_logits.argmax(dim=-1).tolist())
+
+
+def greedy_verdict(drafts: list[int], best: list[int]) -> Verdict:
+    """``verify_greedy`` given the target's argmax at each row (one ``argmax`` can serve a whole
+    batch's rows)."""
     n = 0
     while n < len(drafts) and drafts[n] == best[n]:
         n += 1
