@@ -102,7 +102,6 @@ class DraftLengthController:
         self.rounds_share = 0.0  # smoothed share of recent steps that ran a round
         self.histories: deque[DraftHistory] = deque(maxlen=HISTORIES_KEPT)
         self.planned = 0  # choices priced (the rest were held or explored)
-        self._priced = False  # whether the last choice was priced (not explored)
         self._hold: tuple[int, int, int] | None = None  # batch size class, steps left, the span
 
     def new_history(self) -> DraftHistory:
@@ -120,8 +119,9 @@ class DraftLengthController:
         elif self._holding(len(limits)):
             caps = [0] * len(limits)
         else:
+            planned = self.planned
             caps = self._caps(histories, limits, lengths, behind)
-            self._hold_after(caps)
+            self._hold_after(caps, priced=self.planned > planned)
         for history, cap in zip(histories, caps):
             history.decisions += 1
         self.decisions += len(caps)
@@ -138,10 +138,10 @@ class DraftLengthController:
         self._hold = (hold[0], hold[1] - 1, hold[2])
         return True
 
-    def _hold_after(self, caps: list[int]) -> None:
+    def _hold_after(self, caps: list[int], priced: bool) -> None:
         """Start a hold after a priced plain decision, twice as long as the last one; after
         anything else the next hold starts at 1."""
-        if any(caps) or not self._priced:
+        if any(caps) or not priced:
             self._hold = None
             return
         span = 1 if self._hold is None else min(HOLD_MAX, 2 * self._hold[2])
@@ -172,7 +172,6 @@ class DraftLengthController:
 
     def _caps(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
               behind: list[tuple[int, int]] | None = None) -> list[int]:
-        self._priced = False
         if not any(limits):
             return [0] * len(limits)
         if self.costs.count("verify") < EXPLORE:
@@ -182,7 +181,6 @@ class DraftLengthController:
                 room -= caps[-1] > 0
             return caps
         self.planned += 1
-        self._priced = True
         costs, batch, context = self.costs, len(limits), sum(lengths)
         plain = batch / costs.predict("plain", batch, context)
         proposes, accepted, accepts = self._curves(histories, limits)

@@ -46,7 +46,6 @@ class LinearFit:
     ridge: float = 1e-3
     gram: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
     moment: list[float] = field(default_factory=lambda: [0.0] * 3)
-    count: int = 0
     _theta: tuple[float, float, float] | None = None  # None: observed since last solved
     _solved: tuple[float, float, float] | None = None  # the last fit solved
 
@@ -60,7 +59,6 @@ class LinearFit:
             self.moment[i] = d * self.moment[i] + w * x[i] * seconds
             for j in range(3):
                 self.gram[i][j] = d * self.gram[i][j] + w * x[i] * x[j]
-        self.count += 1
         self._theta = None
 
     @property
