@@ -212,6 +212,15 @@ def test_plain_decisions_are_held_for_doubling_spans_while_the_batch_stays_in_it
     assert controller.planned == 9
 
 
+def test_a_step_where_no_sequence_may_draft_starts_no_hold():
+    """Sequences at their last token may draft nothing: that step is not priced, so it holds no
+    decision over the next step, whose sequences may draft."""
+    controller = priced(0.00167)  # drafting pays
+    h = controller.history
+    assert controller.choose([h], [0], [10]) == [0] and controller.planned == 0
+    assert controller.choose([h], [1], [10]) == [1] and controller.planned == 1
+
+
 def test_exploring_rounds_draft_for_at_most_explore_sequences_and_rounds_share_follows():
     """A draft model explores with a few sequences (each must have its draft K/V filled in first),
     early exit with every one; ``drafting_lately`` turns on once rounds run and off once the
