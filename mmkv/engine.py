@@ -336,13 +336,15 @@ class Engine:
     @staticmethod
     def _greedy_tokens(seqs: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
         """The next token of every row whose sequence decodes greedily, one token, without
-        logprobs, taken in one ``argmax`` over those rows (``sample`` row by row costs ~12 us
-        a row on the CPU, a twentieth of a batch-32 decoding step of the bundled model)."""
+        logprobs, from one ``sample`` call over those rows (row by row it costs ~12 us a row on
+        the CPU, a twentieth of a batch-32 decoding step of the bundled model)."""
         rows = [row for row, s in enumerate(seqs)
                 if s.params.greedy and s.params.n == 1 and s.params.logprobs is None]
         if not rows:
             return {}
-        return dict(zip(rows, logits[rows].argmax(dim=-1).tolist()))
+        chosen = [seqs[row] for row in rows]
+        return dict(zip(rows, sample(logits[rows], [s.params for s in chosen],
+                                     [s.generator for s in chosen])))
 
     def _timed_plain(self, seqs: list[Sequence], q_lens: list[int], touched: dict[int, None],
                      failed: dict[int, BaseException]) -> None:
