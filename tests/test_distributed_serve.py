@@ -72,14 +72,16 @@ def per_replica(m: dict[str, float], name: str) -> dict[str, float]:
     return {k[len(prefix):-2]: v for k, v in m.items() if k.startswith(prefix)}
 
 
-async def ask_all(url: str, jobs, concurrency: int, tokens: int = TOKENS) -> list[str]:
+async def ask_all(url: str, jobs, concurrency: int, tokens: int = TOKENS,
+                  ignore_eos: bool = False) -> list[str]:
     api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     gate = asyncio.Semaphore(concurrency)
 
     async def ask(scene, question):
         async with gate:
             r = await api.chat.completions.create(model=MODEL_NAME, messages=scene_chat(scene, question),
-                                                  max_tokens=tokens, temperature=0)
+                                                  max_tokens=tokens, temperature=0,
+                                                  extra_body={"ignore_eos": ignore_eos})
             return r.choices[0].message.content
 
     return await asyncio.gather(*(ask(s, q) for s, q in jobs))
@@ -104,8 +106,9 @@ def test_answers_equal_offline_and_each_image_is_encoded_once(url):
 def test_a_burst_on_one_image_spreads_over_both_replicas(url):
     before = per_replica(metrics(url), "mmkv_replica_prompt_tokens_total")
     scenes, _ = scenes_and_reports(4, 1, 0)
-    burst = [(scenes[0], QUESTIONS[i % 6]) for i in range(4 * THRESHOLD)]  # long answers: they pile up
-    asyncio.run(ask_all(url, burst, len(burst), tokens=48))
+    # every answer runs to 48 tokens (no early end of text), so the burst piles up past the threshold
+    burst = [(scenes[0], QUESTIONS[i % 6]) for i in range(4 * THRESHOLD)]
+    asyncio.run(ask_all(url, burst, len(burst), tokens=48, ignore_eos=True))
     after = per_replica(idle_metrics(url), "mmkv_replica_prompt_tokens_total")
     assert len(after) == 2 and all(after[r] > before.get(r, 0) for r in after), (before, after)
 
