@@ -119,6 +119,17 @@ def test_one_short_query_sequence_matches_dense(q_len, window):
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_cascade_group_shares_every_full_page_its_members_have_in_common():
+    """Shared: the leading pages identical in every member's table and before every new token
+    (fewer would attend the prefix once per sequence, more would be wrong)."""
+    cpu = torch.device("cpu")
+    tables = [[0, 1, 2, 3, 4, 10], [0, 1, 2, 5, 6, 11], [0, 1, 7, 8, 9, 12]]
+    for members, kv_lens, shared in (([0, 1], [21, 21], 3), ([0, 1, 2], [21, 21, 21], 2),
+                                     ([0, 1], [21, 9], 2)):  # the second's new token is in page 2
+        batch = plan_batch([tables[i] for i in members], [1] * len(members), kv_lens, BS, cpu)
+        assert [grp.num_pages for grp in batch.cascade_groups] == [shared]
+
+
 def test_metadata_is_flashinfer_format():
     batch = plan_batch([[7, 3, 9], [7, 3, 5, 6]], [2, 1], [10, 13], BS, torch.device("cpu"))
     assert batch.qo_indptr.tolist() == [0, 2, 3] and batch.qo_indptr.dtype == torch.int32

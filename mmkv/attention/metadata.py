@@ -97,8 +97,8 @@ class PagedBatch:
     write_offsets: torch.Tensor  # long [T], slot inside that page
     q_lens: list[int]
     kv_lens: list[int]
-    pages: list[torch.Tensor]  # long page ids per sequence (on the device)
     prefill: list[int]  # sequences with more than SHORT_QUERY new tokens, attended one at a time
+    prefill_pages: list[torch.Tensor]  # long page ids of each of those (on the device)
     decode: list[DecodePlan]  # the others, attended together per bucket of query lengths
 
     @property
@@ -115,10 +115,11 @@ def _shared_full_pages(tables: list[list[int]], kv_lens: list[int], q_lens: list
     """Number of leading pages identical in every table and wholly before every new token (so
     every query sees all of them)."""
     limit = min((n - q) // block_size for n, q in zip(kv_lens, q_lens))
-    first = tables[0]
-    n = 0
-    while n < limit and all(t[n] == first[n] for t in tables):
-        n += 1
+    first = tables[0][:limit]
+    n = limit
+    for t in tables[1:]:
+        if t[:n] != first[:n]:  # one list comparison per table; a page walk only where they part
+            n = next(j for j in range(n) if t[j] != first[j])
     return n
 
 
@@ -147,17 +148,20 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
     host = HostPages(*(torch.tensor(x, dtype=torch.int32) for x in (
         qo, kv, [p for pg in pages for p in pg], [(n - 1) % block_size + 1 for n in kv_lens])))
     buckets: dict[int, list[int]] = {}
+    prefill = []
     for i, q in enumerate(q_lens):
         if q <= SHORT_QUERY:
             buckets.setdefault((q - 1).bit_length(), []).append(i)
+        else:
+            prefill.append(i)
     return PagedBatch(
         block_size=block_size,
         qo_indptr=host.qo_indptr.to(device), kv_indptr=host.kv_indptr.to(device),
         kv_indices=host.kv_indices.to(device), kv_last_page_len=host.kv_last_page_len.to(device),
         host=host,
         positions=i64(positions), write_blocks=i64(write_blocks), write_offsets=i64(write_offsets),
-        q_lens=list(q_lens), kv_lens=list(kv_lens), pages=[i64(pg) for pg in pages],
-        prefill=[i for i, q in enumerate(q_lens) if q > SHORT_QUERY],
+        q_lens=list(q_lens), kv_lens=list(kv_lens), prefill=prefill,
+        prefill_pages=[i64(pages[i]) for i in prefill],
         decode=[plan for _, ids in sorted(buckets.items())
                 for plan in _plan_decode(ids, pages, q_lens, kv_lens, qo, block_size, device, cascade)],
     )

@@ -62,8 +62,8 @@ def attention(query: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale
     q_all = query.to(dtype)
     out = torch.empty_like(q_all)
     qo = batch.host.qo_indptr.tolist() if batch.prefill else None
-    for i in batch.prefill:
-        k, v = gather_kv(layer, batch.pages[i], batch.kv_lens[i], dtype)
+    for i, pages in zip(batch.prefill, batch.prefill_pages):
+        k, v = gather_kv(layer, pages, batch.kv_lens[i], dtype)
         start, end = qo[i], qo[i + 1]
         out[start:end] = _attend_one(q_all[start:end], k, v, batch.kv_lens[i], scale, sliding_window)
     for plan in batch.decode:
