@@ -205,11 +205,29 @@ def test_plain_decisions_are_held_for_doubling_spans_while_the_batch_stays_in_it
         controller.observe_pass("draft", 1, 10, 0.001)  # next one is priced and drafts
     assert [controller.choose([h], [1], [10]) for _ in range(17)][-2:] == [[0], [1]]
     assert controller.planned == 6
-    assert controller.choose([h], [1], [10]) == [1] and controller.planned == 7  # a round: no hold
+    assert controller.choose([h], [1], [10]) == [1] and controller.planned == 6  # the round, held
     for _ in range(60):  # drafting costs what it did: plain decoding again, held 1 step
         controller.observe_pass("draft", 1, 10, 0.00226)
     assert [controller.choose([h], [1], [10]) for _ in range(3)] == [[0]] * 3
-    assert controller.planned == 9
+    assert controller.planned == 8
+
+
+def test_a_rounds_lengths_are_held_for_doubling_spans_while_the_batch_is_the_same_sequences():
+    """After a priced round the same sequences draft the same lengths without planning (each
+    within its limit): 1 round, then 2, 4, 4 ...; other sequences, or a plain decision, are
+    priced at once."""
+    controller = priced(0.00167)  # drafting pays
+    h, other = controller.history, controller.new_history()
+    assert [controller.choose([h, h], [1, 1], [10, 10]) for _ in range(12)] == [[1, 1]] * 12
+    assert controller.planned == 4  # held 1, 2, 4 and 1 of 4 rounds
+    assert controller.choose([h, h], [1, 0], [10, 10]) == [1, 0]  # held, within the limits
+    assert controller.planned == 4
+    assert controller.choose([h, other], [1, 1], [10, 10]) == [1, 1] and controller.planned == 5
+    for _ in range(60):  # drafting costs more: other sequences are priced at once and decode
+        controller.observe_pass("draft", 1, 10, 0.00226)  # plainly, which ends the round's hold
+    assert controller.choose([h], [1], [10]) == [0] and controller.planned == 6
+    assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 6
+    assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 7
 
 
 def test_a_step_where_no_sequence_may_draft_starts_no_hold():
@@ -248,18 +266,23 @@ def test_a_draft_far_behind_drafts_only_where_its_catch_up_pays_over_the_rounds_
     (a prompt the draft model skipped), one of them with 2 tokens left and one with 300. The
     catch-up is charged spread over the rounds each has left: the one about to end does not draft,
     the long one does, as does the caught-up one."""
-    controller = DraftLengthController(4)
-    histories = [controller.new_history() for _ in range(3)]
-    for _ in range(6):
-        for h in histories:
-            controller.observe_round(h, 4, 4, 4, False)
-        for rows in (3, 3000):
-            controller.observe_pass("draft", rows, rows * 4000, 0.1 + 0.001 * rows)
-        for rows in (3, 15):
-            controller.observe_pass("verify", rows, rows * 4000, 2.0 + 0.01 * rows)
-        controller.observe_pass("plain", 3, 12000, 2.0 + 0.01 * 3)
+    def trained() -> tuple[DraftLengthController, list]:
+        controller = DraftLengthController(4)
+        histories = [controller.new_history() for _ in range(3)]
+        for _ in range(6):
+            for h in histories:
+                controller.observe_round(h, 4, 4, 4, False)
+            for rows in (3, 3000):
+                controller.observe_pass("draft", rows, rows * 4000, 0.1 + 0.001 * rows)
+            for rows in (3, 15):
+                controller.observe_pass("verify", rows, rows * 4000, 2.0 + 0.01 * rows)
+            controller.observe_pass("plain", 3, 12000, 2.0 + 0.01 * 3)
+        return controller, histories
+
     limits, lengths = [4, 4, 4], [4000, 4000, 4000]
+    controller, histories = trained()
     assert controller.choose(histories, limits, lengths) == [4, 4, 4]
+    controller, histories = trained()
     assert controller.choose(histories, limits, lengths, [(0, 300), (3000, 2), (3000, 300)]) == [4, 0, 4]
 
 
