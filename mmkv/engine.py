@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from dataclasses import dataclass
@@ -86,6 +87,9 @@ class Engine:
         self.scheduler.image_kv = self.image_kv
         self.max_model_len = min(max_model_len or self.model.max_model_len, self.model.max_model_len)
         self.tokenizer = _load_tokenizer(Path(model), self.model.text_config)
+        # what an output decodes its text with (the tokenizer's, so outputs never hold the engine)
+        self._decode = (functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+                        if self.tokenizer else None)
         self.eos_token_ids = _eos_ids(Path(model), self.model.text_config, self.tokenizer)
         self.cascade = cascade
         self.debug = debug
@@ -522,15 +526,16 @@ class Engine:
         return None
 
     def _detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+        return self._decode(ids) if self._decode else ""
 
     def _output(self, request_id: int) -> RequestOutput:
         seqs = self._requests[request_id]
         outputs = []
         for s in sorted(seqs, key=lambda s: s.index):
-            text = s.text if s.finish_reason == "stop" and s.text else self._detokenize(s.output_ids)
-            outputs.append(CompletionOutput(s.index, text, list(s.output_ids), s.finish_reason,
-                                            None if s.logprobs is None else list(s.logprobs)))
+            stopped = s.text if s.finish_reason == "stop" and s.text else None  # cut at the stop string
+            outputs.append(CompletionOutput(s.index, list(s.output_ids), s.finish_reason,
+                                            None if s.logprobs is None else list(s.logprobs),
+                                            decode=self._decode, decoded=stopped))
         finished = all(s.status is Status.FINISHED for s in seqs) and len(seqs) == seqs[0].params.n
         if finished:
             del self._requests[request_id]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 
 class TokenLogprob(NamedTuple):
@@ -18,13 +18,30 @@ class TokenLogprob(NamedTuple):
 @dataclass(slots=True)
 class CompletionOutput:
     """One sample of a request. ``finish_reason`` is ``"stop"``, ``"length"`` or None while running.
-    ``logprobs`` (one per token, when ``SamplingParams.logprobs`` asked for them) or None."""
+    ``logprobs`` (one per token, when ``SamplingParams.logprobs`` asked for them) or None.
+
+    ``text`` is ``decoded`` when given, else ``decode(token_ids)`` on first read: every step hands
+    back an output for each request it advanced, and most are never read before their request
+    ends (``generate`` reads the last), so decoding each one every step made the tokenizer's work
+    grow with the square of the output length (a 4000-token answer: ~0.6 ms a step). Pickled, it
+    carries its text, not the function that decodes it."""
 
     index: int
-    text: str
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    decode: Callable[[list[int]], str] | None = field(default=None, repr=False, compare=False)
+    decoded: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def text(self) -> str:
+        if self.decoded is None:
+            self.decoded = self.decode(self.token_ids) if self.decode is not None else ""
+        return self.decoded
+
+    def __reduce__(self):
+        return CompletionOutput, (self.index, self.token_ids, self.finish_reason, self.logprobs,
+                                  None, self.text)
 
 
 @dataclass(slots=True)

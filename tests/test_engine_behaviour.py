@@ -1,6 +1,7 @@
 """Engine behaviour beyond greedy equality: sampling, streaming, stops, bad input, a soak run."""
 
 import json
+import pickle
 import random
 
 import pytest
@@ -37,6 +38,25 @@ def test_streaming_yields_growing_outputs(model_dirs, hf_oracle):
     seen = [out.token_ids for out in eng.stream(prompt, GREEDY)]
     assert [len(s) for s in seen] == list(range(1, 17))
     assert seen[-1] == hf_oracle("llama", prompt, 16)
+
+
+def test_outputs_decode_their_text_when_read_and_carry_it_when_pickled(model_dirs):
+    """A step's outputs decode lazily: ``generate`` decodes nothing until a text is read, then
+    that request's tokens once; each streamed output's text is its own tokens'; a pickled output
+    carries its text, not the tokenizer."""
+    eng = engine(model_dirs)
+    decode, calls = eng._decode, []
+    eng._decode = lambda ids: calls.append(len(ids)) or decode(ids)
+    outs = eng.generate(["Hello mmkv", "Hello mmkv!"], GREEDY)
+    assert calls == []
+    assert outs[0].text == eng.tokenizer.decode(outs[0].token_ids, skip_special_tokens=True)
+    assert calls == [len(outs[0].token_ids)]
+    streamed = list(eng.stream("Hello", GREEDY))
+    assert [s.text for s in streamed] == [eng.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+                                          for s in streamed]
+    data = pickle.dumps(outs[1])
+    assert len(data) < 2000 and pickle.loads(data).outputs == outs[1].outputs
+    assert pickle.loads(data).text == outs[1].text
 
 
 def test_step_api_interleaves_requests(model_dirs, hf_oracle):
