@@ -27,6 +27,7 @@ QUESTIONS = ("how many shapes are there?", "describe the scene.", "what is at th
              "what is at the top left?", "is there a red circle?", "how many circles are there?")
 TOKENS = 8
 THRESHOLD = 12  # the router's imbalance threshold; the first test never has more in flight
+MAX_NUM_SEQS = 4  # a replica decodes at most 4 at a time, so a burst queues on it
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def url():
     add_arguments(parser)
     args = parser.parse_args(["--replicas", "2", "--replica-cpus", "0.5", "--kv-cache-memory", "32MiB",
                               "--host-kv-memory", "4MiB", "--served-model-name", MODEL_NAME,
-                              "--route-imbalance-threshold", str(THRESHOLD)])
+                              "--route-imbalance-threshold", str(THRESHOLD),
+                              "--max-num-seqs", str(MAX_NUM_SEQS)])
     sock = free_socket()
     port = sock.getsockname()[1]
     sock.close()
@@ -106,9 +108,11 @@ def test_answers_equal_offline_and_each_image_is_encoded_once(url):
 def test_a_burst_on_one_image_spreads_over_both_replicas(url):
     before = per_replica(metrics(url), "mmkv_replica_prompt_tokens_total")
     scenes, _ = scenes_and_reports(4, 1, 0)
-    # every answer runs to 48 tokens (no early end of text), so the burst piles up past the threshold
+    # Every answer runs its 200 tokens (no early end of text) and a replica decodes MAX_NUM_SEQS
+    # at a time, so the key's replica finishes 4 answers per 200 decoding steps while the burst
+    # sends 48 at once: its queue passes the threshold whatever the machine's speed.
     burst = [(scenes[0], QUESTIONS[i % 6]) for i in range(4 * THRESHOLD)]
-    asyncio.run(ask_all(url, burst, len(burst), tokens=48, ignore_eos=True))
+    asyncio.run(ask_all(url, burst, len(burst), tokens=200, ignore_eos=True))
     after = per_replica(idle_metrics(url), "mmkv_replica_prompt_tokens_total")
     assert len(after) == 2 and all(after[r] > before.get(r, 0) for r in after), (before, after)
 
