@@ -104,7 +104,8 @@ class FusedDecoderLayer:
         self.scaling = attn.scaling
         self.sliding_window = (attn.sliding_window if hasattr(attn, "sliding_window")
                                else getattr(attn.config, "sliding_window", None))
-        self.split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+        # Q and K side by side, then V: one rotary embedding over Q's and K's heads together
+        self.split = [(self.num_heads + self.num_kv_heads) * self.head_dim,
                       self.num_kv_heads * self.head_dim]
         self.qkv = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
         self.o_proj = fused_linear([attn.o_proj], pack)
@@ -121,9 +122,9 @@ class FusedDecoderLayer:
         t = hidden.shape[0]
         norm = self.input_norm
         x = rms_norm(hidden, norm.weight, norm.variance_epsilon)
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = rotate(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = rotate(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv(x).split(self.split, dim=-1)
+        qk = rotate(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         layer = step.kv_layers[self.layer_idx]
         step.backend.write_kv(step, layer, k, v.view(t, self.num_kv_heads, self.head_dim))
         out = step.backend.attention(step, q, layer, self.scaling, self.sliding_window)
