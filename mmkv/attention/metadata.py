@@ -54,8 +54,8 @@ class HostPages:
 class DecodePlan:
     """How one bucket of short-query sequences is attended, batched. Queries are padded to the
     bucket's longest by repeating a sequence's last one (same row, same position, so the same
-    result). ``blocked`` (what no query may see: padding and later positions) is the same for every
-    layer, so it is built once per step."""
+    result). What no query may see (padding and later positions) is the same for every layer, so
+    its mask is built once per step, when a layer first asks for it (a lone sequence needs none)."""
 
     rows: torch.Tensor  # long [d, m], packed token row of each sequence's queries
     pages: torch.Tensor  # long [d, max_pages], each sequence's pages after its shared ones (padded)
@@ -63,7 +63,6 @@ class DecodePlan:
     host_lens: list[int]  # the same, on the host
     positions: torch.Tensor  # long [d, m], absolute position of each query
     key_positions: torch.Tensor  # long [d, L], absolute position of each slot of those pages
-    blocked: torch.Tensor  # bool [d, 1, m, 1, L], True where a query must not attend
     groups: list[CascadeGroup]
     biases: dict = field(default_factory=dict)  # additive masks built for this step, by bias()
 
@@ -72,7 +71,7 @@ class DecodePlan:
         with ``group_size`` query heads per KV head, built once per step for each layout."""
         key = (group_size, window)
         if key not in self.biases:
-            blocked = self.blocked
+            blocked = _blocked(self.lens, self.positions, self.key_positions)
             if window is not None:
                 blocked = blocked | (self.key_positions[:, None, :]
                                      <= self.positions[:, :, None] - window)[:, None, :, None, :]
@@ -187,7 +186,7 @@ def next_position(batch: PagedBatch) -> PagedBatch | None:
 def _next_decode_position(plan: DecodePlan) -> DecodePlan:
     lens, positions = plan.lens + 1, plan.positions + 1
     return replace(plan, lens=lens, host_lens=[n + 1 for n in plan.host_lens], positions=positions,
-                   biases={}, blocked=_blocked(lens, positions, plan.key_positions))
+                   biases={})
 
 
 def _blocked(lens: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -260,7 +259,7 @@ def _decode_plan(units: list[tuple[tuple[int, int], list[int]]], pages: list[lis
         rows=torch.tensor(rows, dtype=torch.long, device=device),
         pages=torch.tensor(padded, dtype=torch.long, device=device),
         lens=lens_t, host_lens=lens, positions=positions, key_positions=key_positions,
-        blocked=_blocked(lens_t, positions, key_positions), groups=groups,
+        groups=groups,
     )
 
 
