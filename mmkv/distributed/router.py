@@ -2,20 +2,33 @@
 Serve's ``RequestRouter`` API.
 
 Each request carries its affinity key as the ``affinity`` keyword (computed by the ingress:
-``ReplicaSetFront``). Queue lengths come from the router's cache (updated as requests are sent and
-finish) and, for replicas it has no fresh figure for, from a probe (0 when the probe goes
-unanswered). Every replica is returned as a
-rank of its own, most preferred first, so Serve sends the request to the first that accepts it
-(one whose queue is full refuses and the next is tried).
+``ReplicaSetFront``). Every replica is returned as a rank of its own, most preferred first, so
+Serve sends the request to the first that accepts it (one whose queue is full refuses and the next
+is tried).
+
+A replica's queue length is the larger of two figures:
+
+- Serve's: the router's cache (raised as requests are sent, overwritten by each replica's reply
+  to a send) or, for replicas it has no fresh figure for, a probe (0 when the probe goes
+  unanswered). In a burst the replicas' replies lag the sends, and Serve ranks many requests at
+  once, so this figure can stay near 0 while dozens of requests head for one replica.
+- This router's own count of the requests it placed there: those it ranked the replica first for
+  (until they are accepted, or for ``CLAIM_S`` seconds if they never are) and those the replica
+  accepted (until they complete). Serve calls ``choose_replicas`` for every ranking, and
+  ``on_request_routed`` / ``on_request_completed`` on this router's event loop, so the count is
+  exact for this router's requests (the ingress is the replicas' only caller).
 """
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from mmkv.distributed.routing import rank_replicas
+
+CLAIM_S = 2.0  # a ranked request neither accepted nor re-ranked for this long no longer counts
 
 
 class CacheAwareRouter(RequestRouter):
@@ -25,6 +38,18 @@ class CacheAwareRouter(RequestRouter):
     def initialize_state(self, threshold: int = 8, ratio: float = 1.5) -> None:
         self.threshold = threshold
         self.ratio = ratio
+        self.clock = time.monotonic
+        self.claims: dict[str, tuple[str, float]] = {}  # request id -> (replica ranked first, when)
+        self.accepted: dict[str, str] = {}  # request id -> the replica running it
+
+    def placed(self) -> dict[str, int]:
+        """This router's requests per replica: accepted and not completed, or ranked within ``CLAIM_S``."""
+        now = self.clock()
+        self.claims = {rid: claim for rid, claim in self.claims.items() if now - claim[1] < CLAIM_S}
+        counts: dict[str, int] = {}
+        for replica in [*self.accepted.values(), *(replica for replica, _ in self.claims.values())]:
+            counts[replica] = counts.get(replica, 0) + 1
+        return counts
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None
@@ -43,5 +68,20 @@ class CacheAwareRouter(RequestRouter):
             # misses the deadline (a busy machine) counts as idle instead of leaving the ranking,
             # or a burst would all go to the replicas that happened to answer.
             lens[r.replica_id.unique_id] = 0 if queue_len is None else queue_len
+        placed = self.placed()
+        lens = {r: max(n, placed.get(r, 0)) for r, n in lens.items()}
         key = pending_request.kwargs.get("affinity") if pending_request is not None else None
-        return [[by_id[r]] for r in rank_replicas(key, lens, self.threshold, self.ratio)]
+        ranked = rank_replicas(key, lens, self.threshold, self.ratio)
+        if pending_request is not None and ranked:
+            self.claims[pending_request.metadata.internal_request_id] = (ranked[0], self.clock())
+        return [[by_id[r]] for r in ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        self.claims.pop(request_id, None)
+        self.accepted[request_id] = replica_id.unique_id
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        # A refused send completes too, possibly after its request was accepted elsewhere.
+        if self.accepted.get(internal_request_id) == replica_id.unique_id:
+            del self.accepted[internal_request_id]
