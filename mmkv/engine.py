@@ -18,6 +18,7 @@ from cache import KVCache, parse_bytes
 from mmkv.attention.backend import AttentionBackend, choose_backend
 from mmkv.attention.metadata import CrossSequence, plan_batch, plan_cross
 from mmkv.cpu_threads import DecodeThreads
+from mmkv.detokenizer import IncrementalText, StreamTexts
 from mmkv.image_kv import CrossAttentionKV
 from mmkv.models import MRopePositions, StepContext, load_model, resolve_device
 from mmkv.models.mrope import step_positions
@@ -515,18 +516,19 @@ class Engine:
         p = seq.params
         if token in self._stop_tokens(seq):
             return "stop"
-        if p.stop and self.tokenizer is not None:
-            text = self._detokenize(seq.output_ids)
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+        if p.stop and self._decode is not None:
+            # Only text that this token completed can hold a new match.
+            if seq.stop_text is None:
+                seq.stop_text = IncrementalText(self._decode, start=seq.prompt_len)
+            seen = len(seq.stop_text.text)
+            text = seq.stop_text.current(seq.token_ids)
+            hits = [i for i in (text.find(s, max(0, seen - len(s) + 1)) for s in p.stop) if i >= 0]
             if hits:
                 seq.text = text[: min(hits)]
                 return "stop"
         if len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
-
-    def _detokenize(self, ids: list[int]) -> str:
-        return self._decode(ids) if self._decode else ""
 
     def _output(self, request_id: int) -> RequestOutput:
         seqs = self._requests[request_id]
@@ -650,6 +652,7 @@ class Engine:
         Closing the iterator early (or an exception in the caller's loop) aborts the request; a
         request that fails inside a step raises ``RuntimeError``."""
         request_id = self.add_request(prompt, params, cache_salt, chat)
+        texts = self.stream_texts()
         try:
             while True:
                 for out in self.step():
@@ -657,11 +660,15 @@ class Engine:
                         continue
                     if out.error is not None:
                         raise RuntimeError(f"request failed: {out.error}")
-                    yield out
+                    yield texts.attach(out)
                     if out.finished:
                         return
         finally:
             self.abort(request_id)  # nothing to do when it finished
+
+    def stream_texts(self) -> StreamTexts:
+        """Incremental texts for the outputs of requests whose every output is read (streams)."""
+        return StreamTexts(self._decode)
 
     @property
     def max_num_seqs(self) -> int:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from cache import BlockTable, ImageSpan, SwappedTable, make_keys
+from mmkv.detokenizer import IncrementalText
 from mmkv.models import ImagePlacement, MRopePositions
 from mmkv.outputs import TokenLogprob
 from mmkv.sampling_params import SamplingParams
@@ -63,7 +64,8 @@ class Sequence:
     admitted: bool = False  # has been admitted at least once (a recomputed one is re-admitted)
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     finish_reason: str | None = None
-    text: str = ""
+    text: str = ""  # the output's text cut at a stop string, when one ended it
+    stop_text: IncrementalText | None = None  # the output's text as far as stop strings were sought
     images: list[SeqImage] = field(default_factory=list)
     image_tables: list[BlockTable] = field(default_factory=list)  # cross-attention K/V blocks
     rope: MRopePositions | None = None  # M-RoPE models: positions fixed at submission

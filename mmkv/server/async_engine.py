@@ -98,6 +98,7 @@ class AsyncEngine:
         self.stats: dict[str, int] = engine.stats()  # a snapshot, replaced after every step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._owners: dict[int, _Submission] = {}  # engine request id -> its submission
+        self._texts = engine.stream_texts()  # streamed outputs' texts, decoded incrementally
         self._lock = threading.Lock()  # orders every submission before the stop command
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mmkv-engine", daemon=True)
@@ -209,6 +210,7 @@ class AsyncEngine:
 
     def _abort(self, sub: _Submission) -> None:
         for request_id in sub.request_ids:
+            self._texts.forget(request_id)
             if self._owners.pop(request_id, None) is not None:
                 self.engine.abort(request_id)
 
@@ -238,7 +240,9 @@ class AsyncEngine:
             first = out.request_id not in sub.started and any(o.token_ids for o in out.outputs)
             if first:
                 sub.started.add(out.request_id)
-            if sub.stream or out.finished or first:
+            if sub.stream:
+                items.append((sub.request_ids.index(out.request_id), self._texts.attach(out)))
+            elif out.finished or first:
                 items.append((sub.request_ids.index(out.request_id), out))
         for sub, items in ready.values():
             self._deliver(sub, items)
