@@ -535,7 +535,7 @@ class Engine:
         outputs = []
         for s in sorted(seqs, key=lambda s: s.index):
             stopped = s.text if s.finish_reason == "stop" and s.text else None  # cut at the stop string
-            outputs.append(CompletionOutput(s.index, list(s.output_ids), s.finish_reason,
+            outputs.append(CompletionOutput(s.index, s.output_ids, s.finish_reason,
                                             None if s.logprobs is None else list(s.logprobs),
                                             decode=self._decode, decoded=stopped))
         finished = all(s.status is Status.FINISHED for s in seqs) and len(seqs) == seqs[0].params.n

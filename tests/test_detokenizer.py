@@ -1,7 +1,8 @@
 """Incremental detokenization against the oracle, the tokenizer's decode of the whole list: every
 prefix of random token ids and of encoded text (multi-byte characters split across tokens) reads
 the same; the work per token stays constant; the engine's stop strings, ``Engine.stream`` and
-the server's streamed outputs decode windows of a few tokens, not the whole answer."""
+the server's streamed outputs decode windows of a few tokens, not the whole answer; a streamed
+choice's chunks add up to its text."""
 
 import asyncio
 import functools
@@ -10,10 +11,11 @@ from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from mmkv import SamplingParams
+from mmkv import CompletionOutput, SamplingParams
 from mmkv.detokenizer import IncrementalText
 from mmkv.engine import BUNDLED_MODEL
 from mmkv.server.async_engine import AsyncEngine
+from mmkv.server.responses import ChoiceStream
 from server_harness import bundled_engine
 
 TOKENIZER = AutoTokenizer.from_pretrained(BUNDLED_MODEL)  # byte-level BPE
@@ -134,3 +136,15 @@ def test_a_decoder_that_rewrites_earlier_text_is_read_whole():
 
     text, ids = IncrementalText(decode), [1, 2, 3, 0, 4, 5, 0, 6]
     assert [text.current(ids[:n]) for n in range(1, len(ids) + 1)] == [decode(ids[:n]) for n in range(1, len(ids) + 1)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=30))
+def test_a_streamed_choice_adds_up_to_its_final_text_when_clean_up_takes_a_space_back(ids):
+    """The server's chunks of one choice, a token at a time: their deltas add up to the finished
+    text although a later "," or "." removes the space before it."""
+    stream, sent = ChoiceStream(hold=0), ""
+    for n in range(1, len(ids) + 1):
+        out = CompletionOutput(0, ids[:n], "length" if n == len(ids) else None, decode=SENTENCEPIECE_DECODE)
+        sent += stream.advance(out)[0]
+    assert sent == SENTENCEPIECE_DECODE(ids)

@@ -2,7 +2,8 @@
 
 Streaming keeps one rule: the concatenated deltas of a choice equal the text of its finished
 output. While a choice runs, text that a stop string could still cut (its last ``longest stop - 1``
-characters) or that ends inside a multi-byte character is held back until the next chunk.
+characters), that ends inside a multi-byte character, or trailing spaces (a tokenizer's clean-up
+takes a space back when "," or "." follows) are held back until the next chunk.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class ChoiceStream:
         visible = c.text
         if c.finish_reason is None:
             visible = visible[: max(len(self.text), len(visible) - self.hold)]
-            while visible.endswith("\ufffd") and len(visible) > len(self.text):
+            while visible.endswith(("\ufffd", " ")) and len(visible) > len(self.text):
                 visible = visible[:-1]
         delta = visible[len(self.text):]
         new = None if c.logprobs is None else c.logprobs[self.tokens:]
