@@ -48,20 +48,17 @@ The margin. A round is taken only when it promises ``ROUND_MARGIN`` times plain 
 goodput: what the model leaves out (the engine's work around a round, the fits' noise) costs a
 round a few per cent, so a round priced at break-even is a loss measured.
 
-Remembering and holding. Planning costs 0.1-0.4 ms (tens of small array operations, on caches
-the forward pass has just evicted), up to a third of a batch-1 step of the bundled model. A price
-depends on the batch's size class (1, 2-3, 4-7, 8-15, ...), the rates, the fits and the contexts,
-and a plain step changes none of them but plain decoding's cost (which moves with the machine,
-for every kind of pass alike) and the contexts (slowly). So a priced plain decision is
-remembered for its size class with the state it was priced in (the acceptance model's version
-and the draft and verification fits' observation counts: only a round changes them) and its mean
-context; a later batch of that class decodes plainly without planning while the state is the
-same and its mean context is within ``CONTEXT_BAND`` of the remembered one. A priced round
-forgets its class's plain decision. A priced round's lengths are held while the batch is the
-same sequences (each clipped to its limit): 1 round, then 2, up to ``ROUND_HOLD_MAX``; a round
-moves a sequence's rates by one observation against the ten or so its decayed counts weigh, and
-at batch 1 planning every round cost 7 % of the bundled model's summaries. A priced plain
-decision ends the round's hold.
+Holding. Planning costs 0.1-0.2 ms (tens of small array operations), a tenth of a batch-1 step of
+the bundled model. So a priced decision to decode plainly is kept without planning for the next
+steps while the batch stays in its size class (1, 2-3, 4-7, 8-15, ...) or a larger one (a round
+pays less the more rows verification carries): 1 step after the first such decision, doubling
+with every one that follows up to ``HOLD_MAX``. A batch in a smaller class ends the hold (a batch
+that halves is priced at once, its hold as long as the last); exploring or a round ends the
+doubling too. Nothing a plain step teaches the controller but plain decoding's cost changes
+while it holds. A priced round's lengths are held the same way while the batch is the same
+sequences (each clipped to its limit): 1 round, then 2, up to ``ROUND_HOLD_MAX``; a round moves a
+sequence's rates by one observation against the ten or so its decayed counts weigh, and at batch 1
+planning every round cost 7 % of the bundled model's summaries.
 
 A draft length chosen from past rounds only (never from the round's own outcomes) leaves
 verification exact.
@@ -83,7 +80,7 @@ from speculative.costs import CONTEXT_SCALE, ROW_SCALE, PassCosts
 EXPLORE = 2
 EXPLORE_LENGTH = 2  # the most an exploring round drafts
 ROUND_MARGIN = 1.1  # a round must promise this x plain decoding's goodput
-CONTEXT_BAND = 1.25  # a remembered plain decision stands for mean contexts within this factor
+HOLD_MAX = 16  # the most steps a priced plain decision is held
 ROUND_HOLD_MAX = 4  # the most rounds a priced round's lengths are held
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
 ROUNDS_SMOOTHING = 0.1  # weight of the latest step in ``rounds_share``
@@ -109,8 +106,7 @@ class DraftLengthController:
         self.rounds_share = 0.0  # smoothed share of recent steps that ran a round
         self.histories: deque[DraftHistory] = deque(maxlen=HISTORIES_KEPT)
         self.planned = 0  # choices priced (the rest were held or explored)
-        self._plain_priced: dict[int, tuple[tuple[int, int, int], float]] = {}
-        # batch size class -> the state and the mean context its plain decision was priced at
+        self._hold: tuple[int, int, int] | None = None  # batch size class, steps left, the span
         self._round_hold: tuple[list[DraftHistory], list[int], int, int] | None = None
         # the sequences, their lengths, rounds left, the span
 
@@ -126,15 +122,14 @@ class DraftLengthController:
         the tokens it may still generate."""
         if self.fixed:
             caps = list(limits)
+        elif self._holding(len(limits)):
+            caps = [0] * len(limits)
         elif (held := self._held_round(histories, limits)) is not None:
             caps = held
-        elif self._priced_plain_before(len(limits), lengths):
-            caps = [0] * len(limits)
         else:
             planned = self.planned
             caps = self._caps(histories, limits, lengths, behind)
-            if self.planned > planned:
-                self._priced(caps, histories, lengths)
+            self._hold_after(caps, histories, priced=self.planned > planned)
         for history, cap in zip(histories, caps):
             history.decisions += 1
         self.decisions += len(caps)
@@ -142,6 +137,14 @@ class DraftLengthController:
         self.plain_steps += not any(caps)
         self.rounds_share += ROUNDS_SMOOTHING * (bool(any(caps)) - self.rounds_share)
         return caps
+
+    def _holding(self, batch: int) -> bool:
+        """Whether this step keeps a held plain decision (and counts it off)."""
+        hold = self._hold
+        if hold is None or batch.bit_length() < hold[0] or hold[1] == 0:
+            return False
+        self._hold = (hold[0], hold[1] - 1, hold[2])
+        return True
 
     def _held_round(self, histories: list[DraftHistory], limits: list[int]) -> list[int] | None:
         """The held round's lengths within ``limits`` if this step holds it (and counts it off)."""
@@ -152,33 +155,18 @@ class DraftLengthController:
         self._round_hold = (hold[0], hold[1], hold[2] - 1, hold[3])
         return [min(cap, limit) for cap, limit in zip(hold[1], limits)]
 
-    def _state(self) -> tuple[int, int, int]:
-        """What a price depends on besides the batch and plain decoding's cost: the rates and the
-        draft and verification fits (only a round changes any of them)."""
-        return self.acceptance.version, self.costs.count("draft"), self.costs.count("verify")
-
-    def _priced_plain_before(self, batch: int, lengths: list[int]) -> bool:
-        """Whether this batch's size class was priced plain in the present state, at a mean
-        context within ``CONTEXT_BAND`` of this batch's."""
-        seen = self._plain_priced.get(batch.bit_length())
-        if seen is None or seen[0] != self._state():
-            return False
-        ratio = sum(lengths) / (batch * seen[1])
-        return 1 / CONTEXT_BAND <= ratio <= CONTEXT_BAND
-
-    def _priced(self, caps: list[int], histories: list[DraftHistory], lengths: list[int]) -> None:
-        """After a priced decision: a plain one is remembered for its size class and ends the
-        round's hold; a round forgets its class's plain decision and is held, twice as long as
-        the last held round unless a plain decision came between."""
-        size = len(caps).bit_length()
-        if not any(caps):
-            self._plain_priced[size] = self._state(), sum(lengths) / len(lengths)
-            self._round_hold = None
-            return
-        self._plain_priced.pop(size, None)
-        last = self._round_hold
-        span = 1 if last is None else min(ROUND_HOLD_MAX, 2 * last[3])
-        self._round_hold = list(histories), caps, span, span
+    def _hold_after(self, caps: list[int], histories: list[DraftHistory], priced: bool) -> None:
+        """Start a hold after a priced decision, twice as long as the last one of its kind (a
+        plain step's or a round's); after anything else the next plain hold starts at 1."""
+        if not priced:
+            self._hold = None
+        elif any(caps):
+            last = self._round_hold
+            span = 1 if last is None else min(ROUND_HOLD_MAX, 2 * last[3])
+            self._hold, self._round_hold = None, (list(histories), caps, span, span)
+        else:
+            span = 1 if self._hold is None else min(HOLD_MAX, 2 * self._hold[2])
+            self._hold, self._round_hold = (len(caps).bit_length(), span, span), None
 
     def drafting_lately(self) -> bool:
         """Whether recent steps ran rounds: while they do not, a draft model's K/V of new prompts

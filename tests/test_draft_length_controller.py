@@ -181,33 +181,35 @@ def test_a_round_must_promise_more_than_break_even():
     assert clear.choose([clear.history], [1], [10]) == [1]
 
 
-def test_a_plain_decision_stands_for_its_size_class_until_what_it_was_priced_on_changes():
-    """A priced plain decision is not priced again for batches of its size class (1, 2-3, 4-7,
-    ...) while the rates, the draft and verification fits and the mean context (within
-    ``CONTEXT_BAND``) are those it was priced at; plain steps change none of these. Another class,
-    a longer context, a timed verification or draft pass is priced anew, and a draft that became
-    cheap drafts."""
+def test_plain_decisions_are_held_for_doubling_spans_while_the_batch_stays_in_its_class():
+    """After a priced plain decision the next steps in that batch size class (1, 2-3, 4-7, ...)
+    or a larger one decode plainly without planning: 1 step, then 2, 4, 8 (so 3 of the first 8
+    steps are priced); a batch in a smaller class is priced at once, and held on as long again; after a
+    round the holds start again at 1 step."""
     controller = priced(0.00226)
     h = controller.history
     for _ in range(8):
         assert controller.choose([h, h], [1, 1], [10, 10]) == [0, 0]
-    assert controller.planned == 1
-    for _ in range(60):  # plain decoding got slower: not priced again
-        controller.observe_pass("plain", 2, 20, 0.006)
-    assert controller.choose([h] * 3, [1] * 3, [12] * 3) == [0] * 3  # the class of 2, context 1.2x
-    assert controller.planned == 1
-    assert controller.choose([h] * 3, [1] * 3, [13] * 3) == [0] * 3  # context 1.3x
-    assert controller.planned == 2
-    assert controller.choose([h] * 4, [1] * 4, [13] * 4) == [0] * 4  # another class
+    assert controller.planned == 3  # held 1, 2 and 2 of 4 steps
+    controller.choose([h] * 3, [1] * 3, [10] * 3)  # 3: the class of 2
+    controller.choose([h] * 5, [1] * 5, [10] * 5)  # a larger class
     assert controller.planned == 3
-    controller.observe_pass("verify", 2, 10, 0.005)  # the same costs, a new state: priced again
-    assert controller.choose([h] * 5, [1] * 5, [14] * 5) == [0] * 5
-    assert controller.choose([h] * 7, [1] * 7, [14] * 7) == [0] * 7
+    controller.choose([h], [1], [10])
+    assert controller.planned == 4  # a smaller class: priced, then held 8 steps
+    for _ in range(8):
+        controller.choose([h] * 4, [1] * 4, [10] * 4)
     assert controller.planned == 4
-    for _ in range(EXPLORE + 4):  # drafting becomes cheap: priced again, and drafts
-        controller.observe_pass("draft", 1, 10, 0.001)
-    assert controller.choose([h] * 4, [1] * 4, [14] * 4) == [1] * 4
-    assert controller.planned == 5
+    controller.choose([h], [1], [10])
+    assert controller.planned == 5  # held 16 steps
+    for _ in range(EXPLORE + 4):  # drafting becomes cheap: the held steps decode plainly, the
+        controller.observe_pass("draft", 1, 10, 0.001)  # next one is priced and drafts
+    assert [controller.choose([h], [1], [10]) for _ in range(17)][-2:] == [[0], [1]]
+    assert controller.planned == 6
+    assert controller.choose([h], [1], [10]) == [1] and controller.planned == 6  # the round, held
+    for _ in range(60):  # drafting costs what it did: plain decoding again, held 1 step
+        controller.observe_pass("draft", 1, 10, 0.00226)
+    assert [controller.choose([h], [1], [10]) for _ in range(3)] == [[0]] * 3
+    assert controller.planned == 8
 
 
 def test_a_rounds_lengths_are_held_for_doubling_spans_while_the_batch_is_the_same_sequences():
@@ -224,7 +226,7 @@ def test_a_rounds_lengths_are_held_for_doubling_spans_while_the_batch_is_the_sam
     for _ in range(60):  # drafting costs more: other sequences are priced at once and decode
         controller.observe_pass("draft", 1, 10, 0.00226)  # plainly, which ends the round's hold
     assert controller.choose([h], [1], [10]) == [0] and controller.planned == 6
-    assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 7
+    assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 6
     assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 7
 
 
