@@ -21,6 +21,8 @@ from typing import Callable
 
 from mmkv.outputs import RequestOutput
 
+UNSETTLED = ("\ufffd", " ")  # endings a later token may still change: a partial character, a space
+
 
 class IncrementalText:
     """The text of ``ids[start:]`` for one growing list ``ids``, decoded with ``decode``."""
@@ -38,7 +40,7 @@ class IncrementalText:
         if not window.startswith(self.context):  # (an older, shorter snapshot of the list too)
             return self.decode(ids[self.start:])
         tail = window[len(self.context):]
-        if not tail or tail.endswith(("\ufffd", " ")):
+        if not tail or tail.endswith(UNSETTLED):
             return self.text + tail
         self.text += tail
         self.prefix, self.read = self.read, len(ids)

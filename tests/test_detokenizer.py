@@ -6,6 +6,7 @@ choice's chunks add up to its text."""
 
 import asyncio
 import functools
+from typing import Callable
 
 from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -79,7 +80,7 @@ def test_an_older_snapshot_reads_as_its_own_decode():
     assert text.current(ids[:3]) == DECODE(ids[:3])
 
 
-def counting_decode() -> tuple[list[int], callable]:
+def counting_decode() -> tuple[list[int], Callable[[list[int]], str]]:
     sizes: list[int] = []
     return sizes, lambda ids: sizes.append(len(ids)) or DECODE(ids)
 

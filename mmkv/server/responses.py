@@ -14,6 +14,7 @@ import uuid
 from typing import Any, Callable
 
 from mmkv import CompletionOutput, RequestOutput
+from mmkv.detokenizer import UNSETTLED
 from mmkv.outputs import TokenLogprob
 
 TokenText = Callable[[int], str]  # a token id's text
@@ -97,7 +98,7 @@ class ChoiceStream:
         visible = c.text
         if c.finish_reason is None:
             visible = visible[: max(len(self.text), len(visible) - self.hold)]
-            while visible.endswith(("\ufffd", " ")) and len(visible) > len(self.text):
+            while visible.endswith(UNSETTLED) and len(visible) > len(self.text):
                 visible = visible[:-1]
         delta = visible[len(self.text):]
         new = None if c.logprobs is None else c.logprobs[self.tokens:]
