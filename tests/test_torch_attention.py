@@ -7,10 +7,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmkv.attention.metadata import SHORT_QUERY, CrossSequence, next_position, plan_batch, plan_cross
-from mmkv.attention import torch_backend
+from mmkv.attention import native, torch_backend
 from mmkv.attention.torch_backend import SPLIT_QUERIES, attention, write_kv
 
 BS, HQ, HKV, D = 4, 4, 2, 8
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def decode_path(request, monkeypatch):
+    """Every test here runs twice: batched decode attention by the native kernel (where it
+    applies) and by torch alone."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "supports", lambda query, layer: False)
+    return request.param
 
 
 def dense_reference(q, k, v, kv_len, scale, window=None):

@@ -62,6 +62,7 @@ class DecodePlan:
     lens: torch.Tensor  # long [d], KV tokens in those pages
     host_lens: list[int]  # the same, on the host
     positions: torch.Tensor  # long [d, m], absolute position of each query
+    key_start: torch.Tensor  # long [d], absolute position of the first slot of those pages
     key_positions: torch.Tensor  # long [d, L], absolute position of each slot of those pages
     groups: list[CascadeGroup]
     biases: dict = field(default_factory=dict)  # additive masks built for this step, by bias()
@@ -253,12 +254,13 @@ def _decode_plan(units: list[tuple[tuple[int, int], list[int]]], pages: list[lis
     lens_t = torch.tensor(lens, dtype=torch.long, device=device)
     positions = torch.tensor([[kv_lens[i] - q_lens[i] + min(j, q_lens[i] - 1) for j in range(m)]
                               for i in ids], dtype=torch.long, device=device)
-    index = torch.arange(width * block_size, device=device)
-    key_positions = (torch.tensor([kv_lens[i] for i in ids], device=device) - lens_t)[:, None] + index
+    key_start = torch.tensor([kv_lens[i] for i in ids], device=device) - lens_t
+    key_positions = key_start[:, None] + torch.arange(width * block_size, device=device)
     return DecodePlan(
         rows=torch.tensor(rows, dtype=torch.long, device=device),
         pages=torch.tensor(padded, dtype=torch.long, device=device),
-        lens=lens_t, host_lens=lens, positions=positions, key_positions=key_positions,
+        lens=lens_t, host_lens=lens, positions=positions, key_start=key_start,
+        key_positions=key_positions,
         groups=groups,
     )
 

@@ -7,7 +7,9 @@ its own square causally, merged by log-sum-exp, so no score above the diagonal i
 those with a few (decode steps, speculative verification) are attended together, their queries
 padded to the longest. Decode groups that share leading pages attend those pages once for the
 whole group and merge with each sequence's own pages by log-sum-exp, which gives the same result
-as attending the concatenation.
+as attending the concatenation. On the CPU, where the native kernel is built (``native.py``), a
+decode group's own pages are attended in place by it, starting from the shared pages' state, with
+no copy, padding or merge.
 
 Guarantees: output equals dense causal attention (with the sliding window, when given) over the
 sequence's KV, up to floating-point rounding.
@@ -20,8 +22,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from mmkv.attention import native
 from mmkv.attention.backend import AttentionBackend
-from mmkv.attention.metadata import CrossBatch, DecodePlan, PagedBatch
+from mmkv.attention.metadata import CascadeGroup, CrossBatch, DecodePlan, PagedBatch
 
 if TYPE_CHECKING:
     from mmkv.models.base import StepContext
@@ -129,28 +132,59 @@ def _decode(q: torch.Tensor, layer: torch.Tensor, plan: DecodePlan, block_size: 
             window: int | None) -> torch.Tensor:
     """Attention of ``d`` sequences' short queries ``[d, m, Hq, D]`` (padded to ``m`` each)."""
     d, m, hq, dim = q.shape
+    if native.supports(q, layer):
+        return native.paged_decode(q, layer, plan.pages, plan.lens, plan.key_start, plan.positions,
+                                   scale, window, _shared_state(q, layer, plan, block_size, scale))
     if d == 1 and not plan.groups:  # one sequence alone: no padding to mask, no states to merge
         k, v = gather_kv(layer, plan.pages[0], plan.host_lens[0], q.dtype)
         return _attend_one(q[0], k, v, plan.host_lens[0], scale, window)[None]
     hkv = layer.shape[3]
-    g = hq // hkv
-    # [d, Hkv, m*G, D]: each KV head's queries, query-major
-    groups_q = q.view(d, m, hkv, g, dim).transpose(1, 2).reshape(d, hkv, m * g, dim)
     length = plan.pages.shape[1] * block_size
     k, v = gather_kv(layer, plan.pages.view(-1), d * length, q.dtype)
     k = k.view(d, length, hkv, dim).transpose(1, 2)  # [d, Hkv, L, D]
     v = v.view(d, length, hkv, dim).transpose(1, 2)
-    out, lse = _attend_with_lse(groups_q, k, v, plan.bias(g, window), scale)
+    groups_q = _query_groups(q, hkv)
+    out, lse = _attend_with_lse(groups_q, k, v, plan.bias(hq // hkv, window), scale)
     for group in plan.groups:
-        ks, vs = gather_kv(layer, group.shared_pages, group.num_pages * block_size, q.dtype)
-        n = group.members.shape[0]
-        gq = groups_q[group.members].transpose(0, 1).reshape(1, hkv, -1, dim)  # [1, Hkv, n*m*G, D]
-        s_out, s_lse = _attend_with_lse(gq, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], None,
-                                        scale)
-        s_out = s_out[0].view(hkv, n, -1, dim).transpose(0, 1)  # [n, Hkv, m*G, D]
-        s_lse = s_lse[0].view(hkv, n, -1, 1).transpose(0, 1)
+        s_out, s_lse = _attend_shared(groups_q[group.members], layer, group, block_size, scale)
         out[group.members] = merge_states(s_out, s_lse, out[group.members], lse[group.members])
-    return out.view(d, hkv, m, g, dim).transpose(1, 2).reshape(d, m, hq, dim)
+    return out.view(d, hkv, m, hq // hkv, dim).transpose(1, 2).reshape(d, m, hq, dim)
+
+
+def _query_groups(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Queries ``[d, m, Hq, D]`` as ``[d, Hkv, m * G, D]``: each KV head's rows, query-major."""
+    d, m, hq, dim = q.shape
+    return q.view(d, m, hkv, hq // hkv, dim).transpose(1, 2).reshape(d, hkv, -1, dim)
+
+
+def _attend_shared(groups_q: torch.Tensor, layer: torch.Tensor, group: CascadeGroup,
+                   block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cascade group's members' rows ``[n, Hkv, R, D]`` over their shared pages, in one kernel
+    call: the output ``[n, Hkv, R, D]`` and log-sum-exp ``[n, Hkv, R, 1]``."""
+    n, hkv, _, dim = groups_q.shape
+    ks, vs = gather_kv(layer, group.shared_pages, group.num_pages * block_size, groups_q.dtype)
+    gq = groups_q.transpose(0, 1).reshape(1, hkv, -1, dim)  # [1, Hkv, n*R, D]
+    out, lse = _attend_with_lse(gq, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], None, scale)
+    return out[0].view(hkv, n, -1, dim).transpose(0, 1), lse[0].view(hkv, n, -1, 1).transpose(0, 1)
+
+
+def _shared_state(q: torch.Tensor, layer: torch.Tensor, plan: DecodePlan, block_size: int,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every row's attention over its cascade group's shared pages, ``(out [d, Hkv, m * G, D],
+    lse [d, Hkv, m * G, 1])`` (lse ``-inf`` in rows of sequences in no group), or ``None`` when the
+    plan has no group."""
+    if not plan.groups:
+        return None
+    d, hkv = q.shape[0], layer.shape[3]
+    groups_q = _query_groups(q, hkv)
+    if len(plan.groups) == 1 and plan.groups[0].members.shape[0] == d:  # one group of everyone
+        return _attend_shared(groups_q, layer, plan.groups[0], block_size, scale)
+    out = torch.zeros_like(groups_q)
+    lse = torch.full((*groups_q.shape[:3], 1), float("-inf"), dtype=q.dtype, device=q.device)
+    for group in plan.groups:
+        out[group.members], lse[group.members] = _attend_shared(groups_q[group.members], layer, group,
+                                                                block_size, scale)
+    return out, lse
 
 
 def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,

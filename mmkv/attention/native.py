@@ -1,0 +1,124 @@
+"""A native kernel for batched decode attention on the CPU that reads the paged KV cache in place.
+
+The torch path copies every page a decode step reads into a contiguous tensor (``index_select``)
+before SDPA's kernel reads it again, pads each sequence to the longest one's pages and masks the
+padding, then merges a cascade's shared part with each sequence's own by log-sum-exp in a dozen
+small tensor operations. ``paged_decode.c`` does the per-sequence part in one pass: for each
+sequence and KV head it walks the sequence's pages where they lie, with an online softmax that
+starts from the shared part's state, so nothing is copied, padded or merged afterwards.
+
+It is compiled on first use with the machine's C compiler (``-O3 -march=native -fopenmp``, OpenMP
+being the runtime torch's CPU build already loads) into ``~/.cache/mmkv/native`` (or
+``$MMKV_NATIVE_CACHE``), under a name that hashes the source, the flags and the CPU, and loaded
+with ``ctypes``. Without a compiler, or with ``MMKV_NATIVE=0``, ``kernel()`` is ``None`` and the
+torch path runs: the kernel is an optimisation, never a requirement.
+
+Guarantees: ``paged_decode`` equals the torch path's attention (dense causal attention over the
+sequence's keys, within the sliding window, merged with the given state) up to float32 rounding,
+for float32 and bfloat16 caches; ``tests/test_native_attention.py`` checks it against the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtypes the kernel reads
+
+log = logging.getLogger(__name__)
+
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int64,
+             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(lines))
+
+
+def _library_path() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+                            + _cpu_signature().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("MMKV_NATIVE_CACHE") or Path.home() / ".cache" / "mmkv" / "native")
+    return root / f"paged_decode-{digest}.so"
+
+
+def _compile(target: Path) -> None:
+    """Build into a temporary file beside ``target`` and rename it there, so concurrent first uses
+    never load a half-written library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    compiler = os.environ.get("CC", "cc")
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+@functools.cache
+def kernel() -> ctypes._CFuncPtr | None:
+    """The compiled ``mmkv_paged_decode``, or ``None`` (disabled, or it could not be built)."""
+    if os.environ.get("MMKV_NATIVE", "1") == "0":
+        return None
+    path = _library_path()
+    try:
+        if not path.exists():
+            _compile(path)
+        function = ctypes.CDLL(str(path)).mmkv_paged_decode
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", None) or err
+        log.warning("mmkv: native decode attention unavailable, using the torch path (%s)", detail)
+        return None
+    function.argtypes = _ARGTYPES
+    function.restype = ctypes.c_int
+    return function
+
+
+def supports(query: torch.Tensor, layer: torch.Tensor) -> bool:
+    """Whether the kernel can attend these float32 queries over this cache layer."""
+    return (query.device.type == "cpu" and query.dtype == torch.float32
+            and layer.dtype in DTYPES and layer.is_contiguous() and kernel() is not None)
+
+
+def paged_decode(q: torch.Tensor, layer: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor,
+                 key_start: torch.Tensor, positions: torch.Tensor, scale: float,
+                 window: int | None, state: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Attention output ``[d, m, q_heads, head_dim]`` of ``d`` sequences' queries ``q`` (same
+    shape, at ``positions [d, m]``) over the ``lens[i]`` keys in pages ``pages[i]``, the first at
+    position ``key_start[i]``; ``state`` is ``(out [d, kv_heads, m * G, D], lse [d, kv_heads,
+    m * G])`` of keys the rows attended before (lse ``-inf`` where none), merged in."""
+    d, m, hq, dim = q.shape
+    _, _, block_size, hkv, _ = layer.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    pages, lens, key_start, positions = (t.contiguous() for t in (pages, lens, key_start, positions))
+    init_out, init_lse = (None, None) if state is None else (s.contiguous() for s in state)
+    status = kernel()(q.data_ptr(), layer.data_ptr(), DTYPES[layer.dtype], pages.data_ptr(),
+                      pages.shape[1], lens.data_ptr(), key_start.data_ptr(), positions.data_ptr(),
+                      d, m, block_size, hq, hkv, dim, scale, window or 0,
+                      None if init_out is None else init_out.data_ptr(),
+                      None if init_lse is None else init_lse.data_ptr(), out.data_ptr())
+    if status:
+        raise MemoryError("native decode attention could not allocate its scratch memory")
+    return out

@@ -1,0 +1,287 @@
+/* Batched decode attention that reads the paged KV cache in place (see mmkv/attention/native.py).
+ *
+ * Cache layout (one layer): [num_blocks][2][block_size][kv_heads][head_dim], K then V in a page,
+ * float32 or bfloat16. For each sequence s and KV head h, the m * G query rows (m queries, G query
+ * heads per KV head) attend the sequence's keys in `pages[s]` (`lens[s]` tokens, the first at
+ * absolute position `key_start[s]`): a key at position p is visible to a query at position q when
+ * p <= q (and p > q - window with a window). The softmax runs online, page by page (running max,
+ * sum and weighted V sum per row), starting from a given state when the rows already attended
+ * other keys (a cascade's shared pages): state (lse, out) is the same as (max = lse, sum = 1,
+ * acc = out), so the result is attention over the union of both key sets.
+ *
+ * Work items are a sequence's pages for a range of its KV heads (all of them unless there are too
+ * few sequences to keep every thread busy): a page's rows for those heads are read in one sweep,
+ * and the next page is prefetched while this one is attended, since the pages a decode step reads
+ * have mostly left the caches since they were written.
+ */
+#include <math.h>
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float dot(const float *restrict a, const float *restrict b, int n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+/* score[t] = scale * (q . k[t * stride ...]) for t in [start, end). */
+static inline void page_scores(float *restrict score, const float *restrict q, const float *restrict k,
+                               int64_t stride, int start, int end, int dim, float scale) {
+#if defined(__AVX512F__)
+    if (dim % 16 == 0) {
+        /* sixteen keys at a time: each key's products summed lane-wise in a register, then the
+         * sixteen registers folded into one of sixteen sums (4 levels of shuffle and add) */
+        for (int t0 = start; t0 < end; t0 += 16) {
+            __m512 acc[16];
+            for (int t = 0; t < 16; t++) {
+                acc[t] = _mm512_setzero_ps();
+                if (t0 + t >= end) continue;
+                const float *row = k + (t0 + t) * stride;
+                for (int i = 0; i < dim; i += 16)
+                    acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(row + i), acc[t]);
+            }
+            __m512 pairs[8], quads[4], halves[2];
+            for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+                pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                                         _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+            for (int i = 0; i < 4; i++)  /* per lane: one partial sum of each of 4 keys, in order */
+                quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                                         _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+            for (int i = 0; i < 2; i++)  /* lanes 0+1 and 2+3 of two registers */
+                halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                          _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+            const __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                                              _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+            const int n = end - t0 < 16 ? end - t0 : 16;
+            _mm512_mask_storeu_ps(score + t0, (__mmask16)((1u << n) - 1),
+                                  _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+        }
+        return;
+    }
+#endif
+    for (int t = start; t < end; t++) score[t] = dot(q, k + t * stride, dim) * scale;
+}
+
+/* a += sum over t in [start, end) of w[t] * v[t * stride ...]: elements of `a` held in registers
+ * across the keys, several independent sums at a time. */
+static inline void weighted_sum(float *restrict a, const float *restrict w, const float *restrict v,
+                                int64_t stride, int start, int end, int dim) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 64 <= dim; i += 64) {
+        __m512 x0 = _mm512_loadu_ps(a + i), x1 = _mm512_loadu_ps(a + i + 16);
+        __m512 x2 = _mm512_loadu_ps(a + i + 32), x3 = _mm512_loadu_ps(a + i + 48);
+        for (int t = start; t < end; t++) {
+            const __m512 wt = _mm512_set1_ps(w[t]);
+            const float *row = v + t * stride + i;
+            x0 = _mm512_fmadd_ps(wt, _mm512_loadu_ps(row), x0);
+            x1 = _mm512_fmadd_ps(wt, _mm512_loadu_ps(row + 16), x1);
+            x2 = _mm512_fmadd_ps(wt, _mm512_loadu_ps(row + 32), x2);
+            x3 = _mm512_fmadd_ps(wt, _mm512_loadu_ps(row + 48), x3);
+        }
+        _mm512_storeu_ps(a + i, x0), _mm512_storeu_ps(a + i + 16, x1);
+        _mm512_storeu_ps(a + i + 32, x2), _mm512_storeu_ps(a + i + 48, x3);
+    }
+#endif
+    for (; i + 16 <= dim; i += 16) {
+        float x[16];
+        for (int l = 0; l < 16; l++) x[l] = a[i + l];
+        for (int t = start; t < end; t++) {
+            const float wt = w[t], *row = v + t * stride + i;
+#pragma omp simd
+            for (int l = 0; l < 16; l++) x[l] += wt * row[l];
+        }
+        for (int l = 0; l < 16; l++) a[i + l] = x[l];
+    }
+    for (; i < dim; i++) {
+        float x = a[i];
+        for (int t = start; t < end; t++) x += w[t] * v[t * stride + i];
+        a[i] = x;
+    }
+}
+
+static inline void scale_row(float *restrict y, float a, int n) {
+#pragma omp simd
+    for (int i = 0; i < n; i++) y[i] *= a;
+}
+
+/* e^x for x <= 0 (a score minus the running max), in a form the compiler vectorises: e^x =
+ * 2^n e^f with n = round(x / ln 2), f = x - n ln 2 in [-ln2/2, ln2/2] and e^f by its Taylor
+ * polynomial to degree 7 (relative error below 2e-7, float32's own rounding); below -87 the result
+ * is 0, as float32's e^x underflows there. */
+#pragma omp declare simd notinbranch
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504f);
+    const float f = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    float e = 1.0f / 5040.0f;
+    e = e * f + 1.0f / 720.0f;
+    e = e * f + 1.0f / 120.0f;
+    e = e * f + 1.0f / 24.0f;
+    e = e * f + 1.0f / 6.0f;
+    e = e * f + 0.5f;
+    e = e * f + 1.0f;
+    e = e * f + 1.0f;
+    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
+    return x <= -87.0f ? 0.0f : e * scale.f;
+}
+
+/* Widen `count` bfloat16 values to float32. */
+static void widen_bf16(float *restrict dst, const uint16_t *restrict src, int64_t count) {
+    uint32_t *out = (uint32_t *)dst;
+#pragma omp simd
+    for (int64_t i = 0; i < count; i++) out[i] = (uint32_t)src[i] << 16;
+}
+
+static void prefetch(const char *start, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(start + at, 0, 3);
+}
+
+typedef struct {
+    const float *q;            /* [d][m][q_heads][dim] */
+    const char *cache;         /* the layer */
+    int bf16;
+    const int64_t *pages;      /* [d][max_pages] */
+    int64_t max_pages;
+    const int64_t *lens, *key_start, *positions;
+    int m, group, block_size, q_heads, kv_heads, dim;
+    float scale;
+    int64_t window;            /* 0: none */
+    const float *init_out;     /* [d][kv_heads][m * group][dim] or NULL */
+    const float *init_lse;     /* [d][kv_heads][m * group] or NULL */
+    float *out;                /* like q */
+} Problem;
+
+/* Sequence s, KV heads [h0, h1), prefetching `next_page` (the thread's next item's first page)
+ * to begin with. Rows: (head, query j, query head g), r = ((h - h0) * m + j) * G + g. */
+static inline __attribute__((always_inline)) void attend(
+    const Problem *p, int64_t s, int h0, int h1, const int64_t *next_page, float *work, int dim) {
+    const int m = p->m, group = p->group, bs = p->block_size;
+    const int heads = h1 - h0, rows_per_head = m * group, rows = heads * rows_per_head;
+    const int elem = p->bf16 ? 2 : 4;
+    float *acc = work;                                  /* [rows][dim] */
+    float *mx = acc + (int64_t)rows * dim;              /* [rows] */
+    float *sum = mx + rows;                             /* [rows] */
+    float *score = sum + rows;                          /* [block_size] */
+    float *widened = score + bs;                        /* [2][block_size][heads][dim], bfloat16 */
+    const int64_t state0 = (s * p->kv_heads + h0) * rows_per_head;
+    for (int r = 0; r < rows; r++) {
+        const float lse = p->init_lse ? p->init_lse[state0 + r] : -INFINITY;
+        if (lse > -INFINITY) {
+            memcpy(acc + (int64_t)r * dim, p->init_out + (state0 + r) * dim, sizeof(float) * dim);
+            mx[r] = lse, sum[r] = 1.0f;
+        } else {
+            memset(acc + (int64_t)r * dim, 0, sizeof(float) * dim);
+            mx[r] = -INFINITY, sum[r] = 0.0f;
+        }
+    }
+    const int64_t token = (int64_t)p->kv_heads * dim;  /* elements from one token to the next */
+    const int64_t page_elems = 2 * (int64_t)bs * token;
+    const int64_t len = p->lens[s], num_pages = (len + bs - 1) / bs;
+    const int64_t *pages = p->pages + s * p->max_pages;
+    const int64_t *positions = p->positions + s * m;
+    const float *q = p->q + s * m * p->q_heads * dim;
+    if (next_page) prefetch(p->cache + *next_page * page_elems * elem, page_elems * elem);
+    for (int64_t pg = 0; pg < num_pages; pg++) {
+        const int count = (int)(len - pg * bs < bs ? len - pg * bs : bs);
+        const char *page = p->cache + pages[pg] * page_elems * elem;
+        if (pg + 1 < num_pages) {
+            const char *next = p->cache + pages[pg + 1] * page_elems * elem;
+            prefetch(next, page_elems * elem);
+        }
+        const float *k, *v;
+        int64_t stride;  /* floats from one token's row to the next */
+        if (p->bf16) {
+            const uint16_t *base = (const uint16_t *)page;
+            widen_bf16(widened, base, (int64_t)count * token);
+            widen_bf16(widened + (int64_t)bs * token, base + (int64_t)bs * token, (int64_t)count * token);
+            k = widened, v = widened + (int64_t)bs * token, stride = token;
+        } else {
+            k = (const float *)page, v = (const float *)page + (int64_t)bs * token, stride = token;
+        }
+        const int64_t first = p->key_start[s] + pg * bs;
+        for (int r = 0; r < rows; r++) {
+            const int h = h0 + r / rows_per_head, j = (r % rows_per_head) / group, g = r % group;
+            const int64_t pos = positions[j];
+            const int end = (int)(pos - first + 1 < count ? pos - first + 1 : count);
+            int start = 0;
+            if (p->window > 0 && pos - p->window + 1 > first) start = (int)(pos - p->window + 1 - first);
+            if (end <= start) continue;
+            const float *qr = q + ((int64_t)j * p->q_heads + (int64_t)h * group + g) * dim;
+            const float *kh = k + (int64_t)h * dim, *vh = v + (int64_t)h * dim;
+            page_scores(score, qr, kh, stride, start, end, dim, p->scale);
+            float page_max = -INFINITY;
+            for (int t = start; t < end; t++) page_max = score[t] > page_max ? score[t] : page_max;
+            float *a = acc + (int64_t)r * dim;
+            if (page_max > mx[r]) {
+                const float correction = expf(mx[r] - page_max);
+                sum[r] *= correction;
+                scale_row(a, correction, dim);
+                mx[r] = page_max;
+            }
+            const float row_max = mx[r];
+            float page_sum = 0.0f;
+#pragma omp simd reduction(+ : page_sum)
+            for (int t = start; t < end; t++) {
+                score[t] = exp_nonpositive(score[t] - row_max);
+                page_sum += score[t];
+            }
+            sum[r] += page_sum;
+            weighted_sum(a, score, vh, stride, start, end, dim);
+        }
+    }
+    float *out = p->out + s * m * p->q_heads * dim;
+    for (int r = 0; r < rows; r++) {
+        const int h = h0 + r / rows_per_head, j = (r % rows_per_head) / group, g = r % group;
+        float *o = out + ((int64_t)j * p->q_heads + (int64_t)h * group + g) * dim;
+        const float inv = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
+        const float *a = acc + (int64_t)r * dim;
+#pragma omp simd
+        for (int i = 0; i < dim; i++) o[i] = a[i] * inv;
+    }
+}
+
+/* q, out: [d][m][q_heads][dim] float32; pages: [d][max_pages]; lens, key_start: [d];
+ * positions: [d][m]; init_out: [d][kv_heads][m * G][dim] and init_lse: [d][kv_heads][m * G]
+ * (both NULL when no rows start from a state; lse -inf for rows that do not). Returns 0, or -1
+ * when scratch memory could not be had. */
+int mmkv_paged_decode(const float *q, const void *cache, int bf16, const int64_t *pages,
+                      int64_t max_pages, const int64_t *lens, const int64_t *key_start,
+                      const int64_t *positions, int d, int m, int block_size, int q_heads,
+                      int kv_heads, int dim, float scale, int64_t window, const float *init_out,
+                      const float *init_lse, float *out) {
+    const Problem p = {q, (const char *)cache, bf16, pages, max_pages, lens, key_start, positions,
+                       m, q_heads / kv_heads, block_size, q_heads, kv_heads, dim, scale, window,
+                       init_out, init_lse, out};
+    const int threads = omp_get_max_threads();
+    /* split each sequence's heads into `chunks` ranges when sequences alone leave threads idle */
+    int chunks = d >= 2 * threads ? 1 : (2 * threads + d - 1) / d;
+    if (chunks > kv_heads) chunks = kv_heads;
+    const int heads_per_chunk = (kv_heads + chunks - 1) / chunks;
+    const int64_t rows = (int64_t)heads_per_chunk * m * p.group;
+    const int64_t work_size = rows * dim + 2 * rows + block_size
+                              + 2 * (int64_t)block_size * kv_heads * dim;
+    float *scratch = malloc(sizeof(float) * work_size * threads);
+    if (!scratch) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t item = 0; item < (int64_t)d * chunks; item++) {
+        const int h0 = (int)(item % chunks) * heads_per_chunk;
+        const int h1 = h0 + heads_per_chunk < kv_heads ? h0 + heads_per_chunk : kv_heads;
+        const int64_t s = item / chunks;
+        const int64_t *next_page = s + 1 < d ? pages + (s + 1) * max_pages : NULL;
+        float *work = scratch + work_size * omp_get_thread_num();
+        if (h0 >= h1) continue;
+        /* the common head sizes get their own copy of the loops, unrolled for that size */
+        if (dim == 64) attend(&p, s, h0, h1, next_page, work, 64);
+        else if (dim == 128) attend(&p, s, h0, h1, next_page, work, 128);
+        else attend(&p, s, h0, h1, next_page, work, dim);
+    }
+    free(scratch);
+    return 0;
+}
