@@ -15,7 +15,8 @@ torch path runs: the kernel is an optimisation, never a requirement.
 
 Guarantees: ``paged_decode`` equals the torch path's attention (dense causal attention over the
 sequence's keys, within the sliding window, merged with the given state) up to float32 rounding,
-for float32 and bfloat16 caches; ``tests/test_native_attention.py`` checks it against the torch path.
+for float32 and bfloat16 caches; ``tests/test_native_attention.py`` checks it against dense float64
+attention, and ``tests/test_torch_attention.py`` runs every paged-attention test on both paths.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def paged_decode(q: torch.Tensor, layer: torch.Tensor, pages: torch.Tensor, lens
     """Attention output ``[d, m, q_heads, head_dim]`` of ``d`` sequences' queries ``q`` (same
     shape, at ``positions [d, m]``) over the ``lens[i]`` keys in pages ``pages[i]``, the first at
     position ``key_start[i]``; ``state`` is ``(out [d, kv_heads, m * G, D], lse [d, kv_heads,
-    m * G])`` of keys the rows attended before (lse ``-inf`` where none), merged in."""
+    m * G, 1])`` of keys the rows attended before (lse ``-inf`` where none), merged in."""
     d, m, hq, dim = q.shape
     _, _, block_size, hkv, _ = layer.shape
     q = q.contiguous()
