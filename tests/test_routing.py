@@ -116,3 +116,21 @@ def test_the_routers_own_count_follows_acceptance_completion_and_abandoned_claim
     assert router.placed() == {"a": 2}
     now[0] = 5.0  # r2 was ranked but never accepted: its claim lapses; r1 runs on
     assert router.placed() == {"a": 1}
+
+
+def test_requests_placed_on_a_replica_that_died_stop_counting():
+    """Serve never reports completions from a dead replica: without forgetting its requests the
+    router would carry them, and every key's request would look at a longer queue than there is."""
+    from collections import namedtuple
+
+    router, replicas, key = fake_router({}, threshold=8)
+    router._replicas, router._replica_id_set, router._queue_len_gauge_last_update = {}, set(), {}
+    a, b = (namedtuple("ReplicaID", "unique_id")(name) for name in "ab")  # hashable, as Serve's are
+    pending = [request(key, f"r{i}") for i in range(3)]
+    for p in pending:
+        first_choice(router, replicas, p)
+    router.on_request_routed(pending[0], a, None)
+    router.on_request_routed(pending[1], b, None)
+    assert router.placed() == {"a": 2, "b": 1}  # r2 still a claim on "a"
+    router.on_replica_actor_died(a)
+    assert router.placed() == {"b": 1}

@@ -16,7 +16,8 @@ A replica's queue length is the larger of two figures:
   (until they are accepted, or for ``CLAIM_S`` seconds if they never are) and those the replica
   accepted (until they complete). Serve calls ``choose_replicas`` for every ranking, and
   ``on_request_routed`` / ``on_request_completed`` on this router's event loop, so the count is
-  exact for this router's requests (the ingress is the replicas' only caller).
+  exact for this router's requests (the ingress is the replicas' only caller). A replica that
+  dies takes its requests' completions with it: they stop counting then.
 """
 
 from __future__ import annotations
@@ -85,3 +86,10 @@ class CacheAwareRouter(RequestRouter):
         # A refused send completes too, possibly after its request was accepted elsewhere.
         if self.accepted.get(internal_request_id) == replica_id.unique_id:
             del self.accepted[internal_request_id]
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        """The requests placed on a dead replica will not complete: they no longer count."""
+        super().on_replica_actor_died(replica_id)
+        gone = replica_id.unique_id
+        self.accepted = {rid: replica for rid, replica in self.accepted.items() if replica != gone}
+        self.claims = {rid: claim for rid, claim in self.claims.items() if claim[0] != gone}
