@@ -20,6 +20,18 @@ def test_the_kernel_builds_on_this_machine():
     assert native.kernel() is not None
 
 
+def test_a_cpu_engine_builds_the_kernel_before_its_first_request(monkeypatch):
+    """The build (about 0.2 s on first use) belongs to start-up, not to a first request's latency."""
+    from mmkv.attention.backend import choose_backend
+
+    native.kernel.cache_clear()
+    try:
+        choose_backend("torch", torch.device("cpu"), [(torch.float32, 64)])
+        assert native.kernel.cache_info().currsize == 1
+    finally:
+        native.kernel.cache_clear()
+
+
 def test_without_the_kernel_the_torch_path_runs(monkeypatch):
     monkeypatch.setenv("MMKV_NATIVE", "0")
     native.kernel.cache_clear()

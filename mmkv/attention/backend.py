@@ -66,8 +66,11 @@ def choose_backend(choice: str | AttentionBackend, device: torch.device,
                          f"AttentionBackend, got {choice!r}")
     name = AUTO if choice == "auto" else choice
     if name == "torch":
+        from mmkv.attention import native
         from mmkv.attention.torch_backend import TorchBackend
 
+        if device.type == "cpu":
+            native.kernel()  # build or load the decode kernel now, not in a first request's step
         return TorchBackend()
     from mmkv.attention.flashinfer_backend import FlashInferBackend, check_supported
 
