@@ -10,8 +10,9 @@ starts from the shared part's state, so nothing is copied, padded or merged afte
 It is compiled on first use (a CPU engine asks for it when it starts) with the machine's C
 compiler (``-O3 -march=native -fopenmp``, OpenMP being the runtime torch's CPU build already loads)
 into ``~/.cache/mmkv/native`` (or ``$MMKV_NATIVE_CACHE``), under a name that hashes the source, the
-flags and the CPU, and loaded with ``ctypes``. Without a compiler, or with ``MMKV_NATIVE=0``, ``kernel()`` is ``None`` and the
-torch path runs: the kernel is an optimisation, never a requirement.
+flags and the CPU, and loaded with ``ctypes``. Without a compiler, or with ``MMKV_NATIVE=0``,
+``kernel()`` is ``None`` and the torch path runs: the kernel is an optimisation, never a
+requirement.
 
 Guarantees: ``paged_decode`` equals the torch path's attention (dense causal attention over the
 sequence's keys, within the sliding window, merged with the given state) up to float32 rounding,
