@@ -76,6 +76,11 @@ def test_paged_decode_matches_dense_attention(p):
     """Sequences of any length (a partial last page, padding in the page table), queries at their
     last positions (causal among themselves), a window, a prior state merged in (what a
     cascade's shared pages give), both cache dtypes."""
+    check_against_dense(p)
+
+
+def check_against_dense(p: dict) -> None:
+    """The kernel's output on problem ``p`` (as ``problems`` draws them) against ``reference``."""
     g = torch.Generator().manual_seed(p["seed"])
     dim, hq, hkv, m, lens = p["dim"], p["hq"], p["hkv"], p["m"], p["lens"]
     d, width = len(lens), max(-(-n // BS) for n in lens)
@@ -118,7 +123,7 @@ def test_the_portable_build_matches(tmp_path, monkeypatch):
     try:
         assert native.kernel() is not None and list(tmp_path.glob("*.so"))
         for seed in range(4):
-            test_paged_decode_matches_dense_attention.hypothesis.inner_test(dict(
+            check_against_dense(dict(
                 dim=(64, 80)[seed % 2], hkv=2, hq=4, m=1 + seed, lens=[5, 40, 17], offsets=[0, 3, 30, 0, 0],
                 window=(None, 9)[seed // 2], prior=3 * seed, dtype=(torch.float32, torch.bfloat16)[seed % 2],
                 seed=seed))
