@@ -48,17 +48,22 @@ The margin. A round is taken only when it promises ``ROUND_MARGIN`` times plain 
 goodput: what the model leaves out (the engine's work around a round, the fits' noise) costs a
 round a few per cent, so a round priced at break-even is a loss measured.
 
-Holding. Planning costs 0.1-0.2 ms (tens of small array operations), a tenth of a batch-1 step of
-the bundled model. So a priced decision to decode plainly is kept without planning for the next
-steps while the batch stays in its size class (1, 2-3, 4-7, 8-15, ...) or a larger one (a round
-pays less the more rows verification carries): 1 step after the first such decision, doubling
-with every one that follows up to ``HOLD_MAX``. A batch in a smaller class ends the hold (a batch
-that halves is priced at once, its hold as long as the last); exploring or a round ends the
-doubling too. Nothing a plain step teaches the controller but plain decoding's cost changes
-while it holds. A priced round's lengths are held the same way while the batch is the same
-sequences (each clipped to its limit): 1 round, then 2, up to ``ROUND_HOLD_MAX``; a round moves a
-sequence's rates by one observation against the ten or so its decayed counts weigh, and at batch 1
-planning every round cost 7 % of the bundled model's summaries.
+Holding. Planning costs about 0.3 ms inside the engine (tens of small array operations, run
+with the caches full of the model's weights): a quarter of a batch-1 step of the bundled model,
+a sixth of a batch-8 one. So a priced decision to decode plainly is kept without planning for the
+next steps while the batch stays in its size class (1, 2-3, 4-7, 8-15, ...) or a larger one (a
+round pays less the more rows verification carries). Each class keeps its own span: 1 step after
+its first plain decision, doubling with every one that follows up to ``HOLD_MAX``; a priced round
+in a class starts that class's span again at 1 (rounds pay there now, so a return to plain
+decoding is checked soon), and leaves the other classes' alone (the rounds a batch's last few
+sequences run as it drains do not cost the next full batch its long hold). A batch in a smaller
+class ends the hold and is priced at once. Nothing a plain step teaches the controller but plain
+decoding's cost changes while it holds, so a workload that starts to pay (a change of prompts at
+the same batch size) waits at most ``HOLD_MAX`` steps for its first round. A priced round's
+lengths are held the same way while the batch is the same sequences (each clipped to its limit):
+1 round, then 2, up to ``ROUND_HOLD_MAX``; a round moves a sequence's rates by one observation
+against the ten or so its decayed counts weigh, and at batch 1 planning every round cost 7 % of
+the bundled model's summaries.
 
 A draft length chosen from past rounds only (never from the round's own outcomes) leaves
 verification exact.
@@ -80,7 +85,7 @@ from speculative.costs import CONTEXT_SCALE, ROW_SCALE, PassCosts
 EXPLORE = 2
 EXPLORE_LENGTH = 2  # the most an exploring round drafts
 ROUND_MARGIN = 1.1  # a round must promise this x plain decoding's goodput
-HOLD_MAX = 16  # the most steps a priced plain decision is held
+HOLD_MAX = 64  # the most steps a priced plain decision is held
 ROUND_HOLD_MAX = 4  # the most rounds a priced round's lengths are held
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
 ROUNDS_SMOOTHING = 0.1  # weight of the latest step in ``rounds_share``
@@ -106,7 +111,8 @@ class DraftLengthController:
         self.rounds_share = 0.0  # smoothed share of recent steps that ran a round
         self.histories: deque[DraftHistory] = deque(maxlen=HISTORIES_KEPT)
         self.planned = 0  # choices priced (the rest were held or explored)
-        self._hold: tuple[int, int, int] | None = None  # batch size class, steps left, the span
+        self._hold: tuple[int, int] | None = None  # the held plain decision: batch size class, steps left
+        self._plain_spans: dict[int, int] = {}  # batch size class -> its last plain hold's span
         self._round_hold: tuple[list[DraftHistory], list[int], int, int] | None = None
         # the sequences, their lengths, rounds left, the span
 
@@ -143,7 +149,7 @@ class DraftLengthController:
         hold = self._hold
         if hold is None or batch.bit_length() < hold[0] or hold[1] == 0:
             return False
-        self._hold = (hold[0], hold[1] - 1, hold[2])
+        self._hold = (hold[0], hold[1] - 1)
         return True
 
     def _held_round(self, histories: list[DraftHistory], limits: list[int]) -> list[int] | None:
@@ -157,16 +163,20 @@ class DraftLengthController:
 
     def _hold_after(self, caps: list[int], histories: list[DraftHistory], priced: bool) -> None:
         """Start a hold after a priced decision, twice as long as the last one of its kind (a
-        plain step's or a round's); after anything else the next plain hold starts at 1."""
+        round's, or a plain step's in this batch size class); a priced round starts its class's
+        plain span again."""
+        size_class = len(caps).bit_length()
         if not priced:
             self._hold = None
         elif any(caps):
             last = self._round_hold
             span = 1 if last is None else min(ROUND_HOLD_MAX, 2 * last[3])
             self._hold, self._round_hold = None, (list(histories), caps, span, span)
+            self._plain_spans.pop(size_class, None)
         else:
-            span = 1 if self._hold is None else min(HOLD_MAX, 2 * self._hold[2])
-            self._hold, self._round_hold = (len(caps).bit_length(), span, span), None
+            span = min(HOLD_MAX, 2 * self._plain_spans.get(size_class, 0)) or 1
+            self._plain_spans[size_class] = span
+            self._hold, self._round_hold = (size_class, span), None
 
     def drafting_lately(self) -> bool:
         """Whether recent steps ran rounds: while they do not, a draft model's K/V of new prompts

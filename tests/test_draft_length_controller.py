@@ -12,7 +12,7 @@ from mmkv import SamplingParams
 from mmkv.sequence import Sequence
 from mmkv.speculation import Speculator
 from speculative import DraftLengthController, SpeculativeConfig
-from speculative.controller import EXPLORE, EXPLORE_LENGTH
+from speculative.controller import EXPLORE, EXPLORE_LENGTH, HOLD_MAX
 from speculative.costs import LinearFit
 
 VOCAB = 16
@@ -181,11 +181,11 @@ def test_a_round_must_promise_more_than_break_even():
     assert clear.choose([clear.history], [1], [10]) == [1]
 
 
-def test_plain_decisions_are_held_for_doubling_spans_while_the_batch_stays_in_its_class():
+def test_plain_decisions_are_held_for_doubling_spans_per_batch_size_class():
     """After a priced plain decision the next steps in that batch size class (1, 2-3, 4-7, ...)
     or a larger one decode plainly without planning: 1 step, then 2, 4, 8 (so 3 of the first 8
-    steps are priced); a batch in a smaller class is priced at once, and held on as long again; after a
-    round the holds start again at 1 step."""
+    steps are priced). Each class keeps its own span; a batch in a smaller class is priced at once;
+    a round starts its class's span again at 1."""
     controller = priced(0.00226)
     h = controller.history
     for _ in range(8):
@@ -195,21 +195,40 @@ def test_plain_decisions_are_held_for_doubling_spans_while_the_batch_stays_in_it
     controller.choose([h] * 5, [1] * 5, [10] * 5)  # a larger class
     assert controller.planned == 3
     controller.choose([h], [1], [10])
-    assert controller.planned == 4  # a smaller class: priced, then held 8 steps
+    assert controller.planned == 4  # a smaller class: priced, its first span 1 step
+    controller.choose([h] * 2, [1] * 2, [10] * 2)  # held: a larger class
+    controller.choose([h] * 2, [1] * 2, [10] * 2)
+    assert controller.planned == 5  # the class of 2 goes on from its span of 4: held 8 steps
     for _ in range(8):
-        controller.choose([h] * 4, [1] * 4, [10] * 4)
-    assert controller.planned == 4
+        controller.choose([h] * 2, [1] * 2, [10] * 2)
+    assert controller.planned == 5
     controller.choose([h], [1], [10])
-    assert controller.planned == 5  # held 16 steps
+    assert controller.planned == 6  # the class of 1 goes on from its span of 1: held 2 steps
     for _ in range(EXPLORE + 4):  # drafting becomes cheap: the held steps decode plainly, the
         controller.observe_pass("draft", 1, 10, 0.001)  # next one is priced and drafts
-    assert [controller.choose([h], [1], [10]) for _ in range(17)][-2:] == [[0], [1]]
-    assert controller.planned == 6
-    assert controller.choose([h], [1], [10]) == [1] and controller.planned == 6  # the round, held
+    assert [controller.choose([h], [1], [10]) for _ in range(3)] == [[0], [0], [1]]
+    assert controller.planned == 7
+    assert controller.choose([h], [1], [10]) == [1] and controller.planned == 7  # the round, held
     for _ in range(60):  # drafting costs what it did: plain decoding again, held 1 step
         controller.observe_pass("draft", 1, 10, 0.00226)
     assert [controller.choose([h], [1], [10]) for _ in range(3)] == [[0]] * 3
-    assert controller.planned == 8
+    assert controller.planned == 9
+
+
+def test_the_rounds_of_a_draining_batch_leave_the_full_batchs_hold_alone():
+    """Batch 32 decodes plainly (rows cost too much) and, drained to one sequence, drafts (the
+    pass's fixed cost dominates). Back at 32, the batch is priced once and then held for
+    ``HOLD_MAX`` steps: the rounds in the class of 1 did not start the class of 32's span again,
+    so a server whose batches drain and refill does not plan a full batch's steps over and over."""
+    spec = ScriptedPair(lambda seq, pos: pos % 3 != 0, lambda rows: 0.5 + 0.05 * rows,
+                        lambda rows: 5.0 + 0.5 * rows)
+    cost = lambda rows: 5.0 + 0.5 * rows  # noqa: E731
+    seqs = sequences(32)
+    decode(spec, seqs, 2 * HOLD_MAX, cost)
+    assert any(g[0] for g in decode(spec, seqs[:1], 20, cost))
+    planned = spec.controller.planned
+    assert all(not any(g) for g in decode(spec, seqs, HOLD_MAX + 1, cost))
+    assert spec.controller.planned == planned + 1
 
 
 def test_a_rounds_lengths_are_held_for_doubling_spans_while_the_batch_is_the_same_sequences():
