@@ -485,6 +485,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        if self.speculator is not None:
+            self.speculator.finished(len(seq.output_ids))
         self.scheduler.finish(seq)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:

@@ -106,7 +106,13 @@ class Speculator(ABC):
         behind = self._behind(seqs)
         return self.controller.choose([self._history(s) for s in seqs], limits,
                                       [len(s.token_ids) for s in seqs],
-                                      None if behind is None else list(zip(behind, left)))
+                                      None if behind is None else
+                                      list(zip(behind, left, [len(s.output_ids) for s in seqs])))
+
+    def finished(self, generated: int) -> None:
+        """A sequence finished after generating ``generated`` tokens (the controller's estimate
+        of what running sequences will still generate learns from it)."""
+        self.controller.lengths.record(generated)
 
     def _behind(self, seqs: list[Sequence]) -> list[int] | None:
         """For each sequence, the positions its draft must fill in before it can draft (None: a

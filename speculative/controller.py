@@ -31,7 +31,8 @@ speculation returns.
 Catch-up. A draft model that is behind on a sequence (its prompt left to a catch-up pass, or
 plain steps since its last round) must first fill in those positions. A round with any such
 sequence pays a catch-up pass's fixed cost, and each sequence's catch-up rows are charged spread
-over the rounds it has left (tokens it may still generate over its expected tokens a round): it
+over the rounds it has left (the tokens it is expected to generate, ``speculative.lengths``, over
+its expected tokens a round): it
 drafts only where its expected tokens, net of their rows' cost at the goodput ``R``, cover that
 charge. ``drafting_lately`` (the smoothed share of recent steps that ran a round, from 0) tells a
 draft model whether to follow prompts at prefill or leave them to catch-up.
@@ -81,6 +82,7 @@ import numpy as np
 
 from speculative.acceptance import AcceptanceModel, DraftHistory
 from speculative.costs import CONTEXT_SCALE, ROW_SCALE, PassCosts
+from speculative.lengths import OutputLengths
 
 EXPLORE = 2
 EXPLORE_LENGTH = 2  # the most an exploring round drafts
@@ -105,6 +107,7 @@ class DraftLengthController:
         self.explore_sequences = explore_sequences  # None: every sequence explores
         self.costs = PassCosts()
         self.acceptance = AcceptanceModel(positions)
+        self.lengths = OutputLengths()  # how long recent outputs ran (the engine records them)
         self.decisions = 0  # draft lengths chosen (one per sequence and step)
         self.zero = 0  # ... of which 0
         self.plain_steps = 0  # steps in which every candidate drafted 0
@@ -122,10 +125,11 @@ class DraftLengthController:
         return history
 
     def choose(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
-               behind: list[tuple[int, int]] | None = None) -> list[int]:
+               behind: list[tuple[int, int, int]] | None = None) -> list[int]:
         """Draft lengths for sequences of context ``lengths`` that may draft up to ``limits``;
-        ``behind``: for each, the positions a draft model must fill in before it can draft and
-        the tokens it may still generate."""
+        ``behind``: for each, the positions a draft model must fill in before it can draft,
+        the most tokens it may still generate and the tokens it has generated (the tokens it
+        is expected to generate come from ``lengths``, what recent outputs ran to)."""
         if self.fixed:
             caps = list(limits)
         elif self._holding(len(limits)):
@@ -202,7 +206,7 @@ class DraftLengthController:
         self.costs.observe(kind, rows, context, seconds)
 
     def _caps(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
-              behind: list[tuple[int, int]] | None = None) -> list[int]:
+              behind: list[tuple[int, int, int]] | None = None) -> list[int]:
         if not any(limits):
             return [0] * len(limits)
         if self.costs.count("verify") < EXPLORE:
@@ -217,8 +221,12 @@ class DraftLengthController:
         proposes, accepted, accepts = self._curves(histories, limits)
         sizes = np.asarray(lengths, dtype=np.float64)
         per_row = _variable(costs, "draft", 1.0, sizes) + _variable(costs, "verify", 1.0, sizes)
-        debts, left = (np.zeros((2, batch)) if behind is None
-                       else np.asarray(behind, dtype=np.float64).T)
+        if behind is None:
+            debts, left = np.zeros((2, batch))
+        else:
+            debts = np.asarray([debt for debt, _, _ in behind], dtype=np.float64)
+            left = np.asarray([self.lengths.expected_left(generated, cap)
+                               for _, cap, generated in behind], dtype=np.float64)
         catch_up = _variable(costs, "draft", debts, debts * (sizes - debts / 2))  # seconds each
         charge = np.zeros(batch)
         best, caps, goal = ROUND_MARGIN * plain, [0] * batch, plain

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mmkv import SamplingParams
 from mmkv.sequence import Sequence
@@ -14,6 +16,7 @@ from mmkv.speculation import Speculator
 from speculative import DraftLengthController, SpeculativeConfig
 from speculative.controller import EXPLORE, EXPLORE_LENGTH, HOLD_MAX
 from speculative.costs import LinearFit
+from speculative.lengths import OutputLengths
 
 VOCAB = 16
 LIMIT = 8
@@ -302,7 +305,28 @@ def test_a_draft_far_behind_drafts_only_where_its_catch_up_pays_over_the_rounds_
     controller, histories = trained()
     assert controller.choose(histories, limits, lengths) == [4, 4, 4]
     controller, histories = trained()
-    assert controller.choose(histories, limits, lengths, [(0, 300), (3000, 2), (3000, 300)]) == [4, 0, 4]
+    assert controller.choose(histories, limits, lengths, [(0, 300, 0), (3000, 2, 0), (3000, 300, 0)]) == [4, 0, 4]
+    # the long one has generated 23 tokens and recent outputs ended at 25: it is about to end too
+    controller, histories = trained()
+    for _ in range(10):
+        controller.lengths.record(25)
+    assert controller.choose(histories, limits, lengths, [(0, 300, 23), (3000, 2, 0), (3000, 300, 23)]) == [4, 0, 0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 60), max_size=40), st.integers(0, 60), st.integers(1, 50),
+       st.integers(1, 8))
+def test_expected_tokens_left_is_the_mean_run_past_of_the_recent_outputs(finished, generated, cap, kept):
+    """Against the definition, computed naively: the recent ``kept`` lengths that ran past
+    ``generated``, their mean overrun clipped to ``[1, cap]``; ``cap`` when none ran past."""
+    lengths = OutputLengths(kept)
+    for i, n in enumerate(finished):
+        lengths.record(n)
+        if i % 3 == 0:  # estimates between records see every record so far
+            lengths.expected_left(generated, cap)
+    past = [n - generated for n in finished[-kept:] if n > generated]
+    expected = cap if not past else max(1, min(cap, round(sum(past) / len(past))))
+    assert lengths.expected_left(generated, cap) == expected
 
 
 def test_linear_fit_recovers_a_linear_cost_and_clips_spikes():

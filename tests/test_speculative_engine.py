@@ -408,8 +408,10 @@ def test_a_draft_model_runs_only_for_the_sequences_that_draft(model_dirs, hf_ora
 
 def test_a_draft_model_tells_the_controller_how_far_behind_each_sequence_is(model_dirs, monkeypatch):
     """A prompt prefilled without the draft: the controller's first choice sees the whole prompt
-    still to fill in and the tokens left to generate, the catch-up pass is timed for it like any
-    draft pass, and once a round has caught the draft up, nothing is behind."""
+    still to fill in, the tokens left to generate at most and the tokens generated, the catch-up
+    pass is timed for it like any draft pass, and once a round has caught the draft up, nothing
+    is behind. The finished output's length is recorded for the controller's estimate of what
+    running sequences will still generate."""
     eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
     controller = eng.speculator.controller
     monkeypatch.setattr(type(controller), "drafting_lately", lambda self: False)
@@ -427,6 +429,7 @@ def test_a_draft_model_tells_the_controller_how_far_behind_each_sequence_is(mode
                                                                                observe(kind, rows, *rest)))
     [prompt] = prompts(82, [13])
     eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
-    assert seen[0] == [(len(prompt), 7)]
+    assert seen[0] == [(len(prompt), 7, 1)]
     assert ("draft", len(prompt)) in passes  # the catch-up is timed as a draft pass over its rows
     assert eng.stats()["spec_rounds"] > 0 and any(b[0][0] == 0 for b in seen[1:])
+    assert list(controller.lengths.recent) == [8]

@@ -1,0 +1,50 @@
+"""How many tokens a running sequence will still generate, from how long recent outputs ran.
+
+A sequence's hard limit (``max_tokens`` less what it generated) overstates what most sequences
+generate: a summary asked for at most 48 tokens ends at about 25, by its end-of-sequence token.
+A draft model that fell behind on a sequence must fill in its K/V before drafting, and the
+controller spreads that catch-up over the rounds the sequence has left; counted from the hard
+limit, a sequence two tokens from its end looked ten rounds from it, and the catch-up passes of a
+batch's last sequences were paid for a token or two each.
+
+The estimate for a sequence that has generated ``g`` tokens, with at most ``cap`` more: the mean
+of ``L - g`` over the recent outputs' lengths ``L`` that ran past ``g`` (how much further outputs
+that got this far went), clipped to ``[1, cap]``; ``cap`` when no recent output ran past ``g``.
+
+Invariant: ``1 <= expected_left(g, cap) <= cap`` for ``cap >= 1``; each estimate costs one
+binary search (the sorted lengths and their suffix sums are rebuilt after a record, on the next
+estimate).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+KEPT = 256  # recent output lengths the estimate reads
+
+
+class OutputLengths:
+    def __init__(self, kept: int = KEPT) -> None:
+        self.recent: deque[int] = deque(maxlen=kept)
+        self._sorted: list[int] | None = None
+        self._suffix: list[int] = []  # _suffix[i]: the sum of _sorted[i:]
+
+    def record(self, generated: int) -> None:
+        """A sequence finished after generating ``generated`` tokens."""
+        self.recent.append(generated)
+        self._sorted = None
+
+    def expected_left(self, generated: int, cap: int) -> int:
+        if not self.recent:
+            return cap
+        if self._sorted is None:
+            self._sorted = sorted(self.recent)
+            self._suffix = [0] * (len(self._sorted) + 1)
+            for i in range(len(self._sorted) - 1, -1, -1):
+                self._suffix[i] = self._suffix[i + 1] + self._sorted[i]
+        first = bisect.bisect_right(self._sorted, generated)  # the outputs that ran past it
+        past = len(self._sorted) - first
+        if past == 0:
+            return cap
+        return max(1, min(cap, round(self._suffix[first] / past - generated)))
