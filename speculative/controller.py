@@ -32,9 +32,8 @@ Catch-up. A draft model that is behind on a sequence (its prompt left to a catch
 plain steps since its last round) must first fill in those positions. A round with any such
 sequence pays a catch-up pass's fixed cost, and each sequence's catch-up rows are charged spread
 over the rounds it has left (the tokens it is expected to generate, ``speculative.lengths``, over
-its expected tokens a round): it
-drafts only where its expected tokens, net of their rows' cost at the goodput ``R``, cover that
-charge. ``drafting_lately`` (the smoothed share of recent steps that ran a round, from 0) tells a
+its expected tokens a round): it drafts only where its expected tokens, net of their rows' cost
+at the goodput ``R``, cover that charge. ``drafting_lately`` (the smoothed share of recent steps that ran a round, from 0) tells a
 draft model whether to follow prompts at prefill or leave them to catch-up.
 
 Before it has timed ``EXPLORE`` verification passes the controller explores: it drafts up to
