@@ -390,7 +390,7 @@ class Engine:
             if (self.speculator is not None and q == 1 and seq.num_pending == 1 and seq.params.n == 1
                     and seq.params.logprobs is None):
                 candidates.append(seq)
-                left.append(min(seq.params.max_tokens - len(seq.output_ids),
+                left.append(min(seq.params.max_tokens - seq.num_generated,
                                 self.max_model_len - len(seq.token_ids)))
                 limits.append(max(0, min(self.speculator.config.num_tokens, left[-1] - 1)))
             else:
@@ -486,7 +486,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         if self.speculator is not None:
-            self.speculator.finished(len(seq.output_ids))
+            self.speculator.finished(seq.num_generated)
         self.scheduler.finish(seq)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -528,7 +528,7 @@ class Engine:
             if hits:
                 seq.text = text[: min(hits)]
                 return "stop"
-        if len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if seq.num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 

@@ -79,6 +79,11 @@ class Sequence:
         return self.token_ids[self.prompt_len:]
 
     @property
+    def num_generated(self) -> int:
+        """``len(output_ids)`` without copying them (asked every step and every token)."""
+        return len(self.token_ids) - self.prompt_len
+
+    @property
     def num_pending(self) -> int:
         return len(self.token_ids) - self.num_computed
 

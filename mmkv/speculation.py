@@ -107,7 +107,7 @@ class Speculator(ABC):
         return self.controller.choose([self._history(s) for s in seqs], limits,
                                       [len(s.token_ids) for s in seqs],
                                       None if behind is None else
-                                      list(zip(behind, left, [len(s.output_ids) for s in seqs])))
+                                      list(zip(behind, left, [s.num_generated for s in seqs])))
 
     def finished(self, generated: int) -> None:
         """A sequence finished after generating ``generated`` tokens (the controller's estimate
