@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mmkv.bench import __main__ as bench_main
-from mmkv.bench import llama_cpp_peer
+from mmkv.bench import llama_cpp_peer, spec_bench
 
 ROOT = Path(__file__).parent.parent
 
@@ -98,6 +98,18 @@ def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     assert result["draft_extra_blocks_early_exit"] == (result["peak_blocks_early_exit_b2"]
                                                        - result["peak_blocks_plain_b2"])
     assert (tmp_path / "speedup.png").stat().st_size > 0
+    floor = [result[f"plain_vs_plain_{load}_b{b}"] for load in ("scenes", "summaries") for b in (1, 2)]
+    assert result["plain_vs_plain_range"] == [min(floor), max(floor)] and min(floor) > 0
+
+def test_paired_speedup_compares_runs_of_the_same_round():
+    """The machine slowed down for a round: the variant's runs beside plain decoding's still show
+    it 10 % faster, where the fastest runs of each would compare a fast round with a slow one."""
+    plain = [1.0, 1.5, 1.1]
+    variant = [p / 1.1 for p in plain]
+    assert spec_bench.paired(plain, variant) == pytest.approx(1.1)
+    assert spec_bench.paired([1.0, 1.0, 5.0], [1.0, 1.25, 1.0]) == 1.0  # one odd round does not count
+    with pytest.raises(ValueError):
+        spec_bench.paired([1.0, 1.0], [1.0])
 
 
 def test_a_benchmark_whose_outputs_differ_exits_non_zero(monkeypatch, capsys):

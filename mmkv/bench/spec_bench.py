@@ -9,16 +9,20 @@ size in the same run; ``min_speedup`` is the least of them. Batch 1 serves the f
 ``--batch1-requests`` prompts one at a time, batches 8 and 32 serve all ``--requests``.
 transformers runs the batch-1 summaries (its Mllama text model takes no image without the
 cross-attention plumbing), the only batch size its assisted generation supports. Every greedy
-variant must give the same outputs. Every timing is the best of ``--repeats`` runs (mmkv on a
-fresh engine each time, so the controller learns afresh; the variants take turns, run after run),
-taken with the garbage collector paused (``mmkv.bench.timed``). The chart is the speedup against
-the batch size, one line per method and workload.
+variant must give the same outputs. mmkv runs every variant ``--repeats`` times, each on a fresh
+engine (so the controller learns afresh), the variants taking turns within each round; a speedup
+is the median over rounds of the round's ratio to plain decoding (``paired``), and plain
+decoding run twice in each round gives the noise floor (``plain_vs_plain_<cell>``). Throughputs
+(tokens/s) and transformers' timings are the fastest of the repeats. Every timing is taken with
+the garbage collector paused (``mmkv.bench.timed``). The chart is the speedup against the batch
+size, one line per method and workload.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 from pathlib import Path
 
 import torch
@@ -34,6 +38,7 @@ from mmkv.synthetic import document_prompt, random_report, random_scene, scene_p
 from speculative import SpeculativeConfig
 
 PARAMS = SamplingParams(max_tokens=48)
+METHODS = ("early_exit", "draft")  # the speculative configs; plain and plain_again are the baseline
 DRAFT_MODEL = BUNDLED_MODEL.parent / "tiny-draft"
 
 
@@ -53,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-length", choices=("auto", "fixed"), default="auto",
                    help="auto: the controller chooses each sequence's draft length every step")
     p.add_argument("--chart", type=Path, default=Path("spec_speedup.png"))
-    p.add_argument("--repeats", type=int, default=3,
-                   help="runs of every timed variant; the fastest counts (timings here vary by ~10%%)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="rounds of runs of every variant (speedups: the median round's ratio)")
     p.add_argument("--seed", type=int, default=11)
 
 
@@ -77,21 +82,32 @@ def timed_mmkv(model: Path, prompts: list, batch: int, speculative: SpeculativeC
     return [o.token_ids for o in outs], seconds, engine.stats()
 
 
-def best_interleaved(model: Path, prompts: dict[str, list], batch: int,
-                     configs: dict[str, SpeculativeConfig | None], repeats: int) -> dict:
-    """``timed_mmkv`` of every (config, workload), the fastest of ``repeats`` runs each, the
-    variants taking turns run after run: a slow stretch of the machine then costs every variant
-    about the same instead of the ones that happened to run in it. A first round is run and not
-    counted: a process's first runs of a batch size are 5-20 % slower than its later ones (its
-    allocator and caches settle), which would favour whichever variants run last."""
-    best: dict = {}
+def interleaved(model: Path, prompts: dict[str, list], batch: int,
+                configs: dict[str, SpeculativeConfig | None], repeats: int) -> dict:
+    """``repeats`` runs of ``timed_mmkv`` for every (config, workload), as lists in run order.
+    Each round serves one workload with every config in turn, in reverse order every other
+    round, so a config's run lies next to plain decoding's of the same round (``paired``
+    compares them there) and no config always runs first. A first round is run and not counted:
+    a process's first runs of a batch size are 5-20 % slower than its later ones (its allocator
+    and caches settle)."""
+    runs: dict = {key: [] for key in ((name, load) for name in configs for load in prompts)}
+    names = list(configs)
     for round_ in range(repeats + 1):
-        for name, config in configs.items():
-            for load, subset in prompts.items():
-                run = timed_mmkv(model, subset, batch, config)
-                if round_ and ((name, load) not in best or run[1] < best[name, load][1]):
-                    best[name, load] = run
-    return best
+        for load, subset in prompts.items():
+            for name in (names if round_ % 2 else names[::-1]):
+                run = timed_mmkv(model, subset, batch, configs[name])
+                if round_:
+                    runs[name, load].append(run)
+    return runs
+
+
+def paired(base: list[float], seconds: list[float]) -> float:
+    """How many times faster than ``base`` the runs taking ``seconds`` are: the median over
+    rounds of each round's ratio. This machine's speed drifts by 10-20 % over seconds, so the
+    fastest run of each variant compares moments, not variants; two runs of the same round met
+    about the same machine (plain decoding against itself: 0.99-1.01 paired, up to 1.08 by the
+    fastest runs)."""
+    return statistics.median(b / s for b, s in zip(base, seconds, strict=True))
 
 
 @torch.inference_mode()
@@ -122,46 +138,59 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     batches = [int(b) for b in args.batches.split(",")]
     loads = workloads(args.requests, args.seed)
-    configs = {"plain": None, "early_exit": SpeculativeConfig(
+    configs = {"plain": None, "plain_again": None, "early_exit": SpeculativeConfig(
         num_tokens=args.num_tokens, early_exit_layer=args.early_exit_layer,
         adaptive_threshold=args.adaptive_threshold or None, draft_length=args.draft_length)}
     if args.draft.exists():
         configs["draft"] = SpeculativeConfig(method="draft_model", num_tokens=args.num_tokens,
                                              draft_model=args.draft, draft_length=args.draft_length,
                                              adaptive_threshold=args.adaptive_threshold or None)
+    methods = [name for name in METHODS if name in configs]
     result: dict = {}
     equal = True
     ours: dict = {}  # batch-1 summaries: what transformers also serves
     for batch in batches:
         subset = {load: prompts[:args.batch1_requests] if batch == 1 else prompts
                   for load, prompts in loads.items()}
-        runs = best_interleaved(args.model, subset, batch, configs, args.repeats)
-        for (name, load), (outs, seconds, stats) in runs.items():
-            equal &= outs == runs["plain", load][0]
+        runs = interleaved(args.model, subset, batch, configs, args.repeats)
+        outs = {key: rs[0][0] for key, rs in runs.items()}
+        seconds = {key: [r[1] for r in rs] for key, rs in runs.items()}
+        for (name, load), rs in runs.items():
+            equal &= all(r[0] == outs["plain", load] for r in rs)
             if name == "plain":
                 continue
-            plain_outs, plain_seconds, _ = runs["plain", load]
-            cell = f"{name}_{load}_b{batch}"
-            result[f"speedup_{cell}"] = round(plain_seconds / seconds * tokens(outs) / tokens(plain_outs), 2)
+            if name == "plain_again":  # the noise floor: plain decoding against itself
+                result[f"plain_vs_plain_{load}_b{batch}"] = round(
+                    paired(seconds["plain", load], seconds[name, load]), 2)
+                continue
+            cell, stats = f"{name}_{load}_b{batch}", rs[-1][2]
+            result[f"speedup_{cell}"] = round(paired(seconds["plain", load], seconds[name, load])
+                                              * tokens(outs[name, load]) / tokens(outs["plain", load]), 2)
             result[f"acceptance_rate_{cell}"] = stats["spec_acceptance_rate"]
             result[f"zero_draft_fraction_{cell}"] = round(stats["spec_zero_drafts"] / max(1, stats["spec_decisions"]), 3)
             result[f"mean_draft_length_{cell}"] = stats["spec_seq_mean_draft_length_mean"]
             if batch == 1 and load == "summaries":
-                ours[name] = outs, seconds
-        for name in configs:
+                ours[name] = outs[name, load], min(seconds[name, load])
+        both = {name: [sum(per_load) for per_load in zip(*(seconds[name, load] for load in loads))]
+                for name in configs}
+        for name in ["plain", *methods]:
             result[f"tokens_per_s_{name}_b{batch}"] = round(
-                sum(tokens(runs[name, load][0]) for load in loads)
-                / sum(runs[name, load][1] for load in loads), 1)
-            result[f"peak_blocks_{name}_b{batch}"] = max(runs[name, load][2]["peak_blocks_in_use"] for load in loads)
+                sum(tokens(outs[name, load]) for load in loads)
+                / sum(min(seconds[name, load]) for load in loads), 1)
+            result[f"peak_blocks_{name}_b{batch}"] = max(runs[name, load][-1][2]["peak_blocks_in_use"]
+                                                         for load in loads)
             if name != "plain":
-                result[f"speedup_{name}_b{batch}"] = round(result[f"tokens_per_s_{name}_b{batch}"]
-                                                           / result[f"tokens_per_s_plain_b{batch}"], 2)
-                stats = _merged_stats([runs[name, load][2] for load in loads])
+                result[f"speedup_{name}_b{batch}"] = round(
+                    paired(both["plain"], both[name]) * sum(tokens(outs[name, load]) for load in loads)
+                    / sum(tokens(outs["plain", load]) for load in loads), 2)
+                stats = _merged_stats([runs[name, load][-1][2] for load in loads])
                 result[f"mean_tokens_per_round_{name}_b{batch}"] = stats["spec_mean_tokens_per_round"]
     cells = {k: v for k, v in result.items()
              if k.startswith("speedup_") and any(f"_{load}_b" in k for load in loads)}
     result["min_speedup"] = min(cells.values())
     result["min_speedup_cell"] = min(cells, key=cells.get)[len("speedup_"):]
+    floor = [v for k, v in result.items() if k.startswith("plain_vs_plain_")]
+    result["plain_vs_plain_range"] = [min(floor), max(floor)]
     if "plain" in configs and len(batches) > 1:
         # Blocks the early-exit draft holds beyond plain decoding at the peak of the same workload:
         # its K/V is the target's own, so only the slots reserved for a round's drafts count.
@@ -170,7 +199,7 @@ def run(args: argparse.Namespace) -> dict:
     if 1 in batches:
         equal &= _against_transformers(args, loads["summaries"][:args.batch1_requests], ours, result)
     result["outputs_equal"] = equal
-    _chart(args.chart, batches, result, [n for n in configs if n != "plain"], list(loads))
+    _chart(args.chart, batches, result, methods, list(loads))
     result["requests_per_workload"] = {"b1": args.batch1_requests, "other": args.requests}
     result["settings"] = {"num_tokens": args.num_tokens,
                           "early_exit_layer": args.early_exit_layer or _early_exit_layer(args.model),
