@@ -220,6 +220,8 @@ class DraftLengthController:
         proposes, accepted, accepts = self._curves(histories, limits)
         sizes = np.asarray(lengths, dtype=np.float64)
         per_row = _variable(costs, "draft", 1.0, sizes) + _variable(costs, "verify", 1.0, sizes)
+        if not (accepted[:, 0] >= plain * per_row).any():
+            return [0] * batch  # no sequence's first draft pays at plain decoding's goodput
         if behind is None:
             debts, left = np.zeros((2, batch))
         else:
