@@ -163,12 +163,14 @@ def run(args: argparse.Namespace) -> dict:
                 result[f"plain_vs_plain_{load}_b{batch}"] = round(
                     paired(seconds["plain", load], seconds[name, load]), 2)
                 continue
-            cell, stats = f"{name}_{load}_b{batch}", rs[-1][2]
+            cell, stats = f"{name}_{load}_b{batch}", [r[2] for r in rs]  # every round's run
             result[f"speedup_{cell}"] = round(paired(seconds["plain", load], seconds[name, load])
                                               * tokens(outs[name, load]) / tokens(outs["plain", load]), 2)
-            result[f"acceptance_rate_{cell}"] = stats["spec_acceptance_rate"]
-            result[f"zero_draft_fraction_{cell}"] = round(stats["spec_zero_drafts"] / max(1, stats["spec_decisions"]), 3)
-            result[f"mean_draft_length_{cell}"] = stats["spec_seq_mean_draft_length_mean"]
+            result[f"acceptance_rate_{cell}"] = _merged_stats(stats)["spec_acceptance_rate"]
+            result[f"zero_draft_fraction_{cell}"] = round(sum(st["spec_zero_drafts"] for st in stats)
+                                                          / max(1, sum(st["spec_decisions"] for st in stats)), 3)
+            result[f"mean_draft_length_{cell}"] = round(statistics.mean(
+                st["spec_seq_mean_draft_length_mean"] for st in stats), 4)
             if batch == 1 and load == "summaries":
                 ours[name] = outs[name, load], min(seconds[name, load])
         both = {name: [sum(per_load) for per_load in zip(*(seconds[name, load] for load in loads))]
@@ -177,13 +179,13 @@ def run(args: argparse.Namespace) -> dict:
             result[f"tokens_per_s_{name}_b{batch}"] = round(
                 sum(tokens(outs[name, load]) for load in loads)
                 / sum(min(seconds[name, load]) for load in loads), 1)
-            result[f"peak_blocks_{name}_b{batch}"] = max(runs[name, load][-1][2]["peak_blocks_in_use"]
-                                                         for load in loads)
+            result[f"peak_blocks_{name}_b{batch}"] = max(r[2]["peak_blocks_in_use"]
+                                                         for load in loads for r in runs[name, load])
             if name != "plain":
                 result[f"speedup_{name}_b{batch}"] = round(
                     paired(both["plain"], both[name]) * sum(tokens(outs[name, load]) for load in loads)
                     / sum(tokens(outs["plain", load]) for load in loads), 2)
-                stats = _merged_stats([runs[name, load][-1][2] for load in loads])
+                stats = _merged_stats([r[2] for load in loads for r in runs[name, load]])
                 result[f"mean_tokens_per_round_{name}_b{batch}"] = stats["spec_mean_tokens_per_round"]
     cells = {k: v for k, v in result.items()
              if k.startswith("speedup_") and any(f"_{load}_b" in k for load in loads)}
