@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mmkv import SamplingParams
-from mmkv.models.packed_linear import PackedLinear
+from mmkv.models.packed_linear import PackedLinear, padded_rows
 from test_engine_oracle import engine, prompts
 from test_multimodal import q, vlm_engine
 from tiny_models import FAMILIES
@@ -81,3 +81,20 @@ def test_vision_language_families(vlm_dirs, family, monkeypatch):
     requests = [{"prompt": q(text), "images": [picture(50)]} for text in ("what?", "where is it?")]
     assert_same_as_modules(lambda: vlm_engine(vlm_dirs, family), requests + [list(b"text only prompt")],
                            monkeypatch)
+
+
+def test_packed_layers_run_each_row_count_at_one_of_few_padded_counts():
+    """oneDNN builds a primitive per row count (hundreds of microseconds, once each), and
+    verification meets a new count almost every round: a packed layer pads its rows to one of at
+    most 8 counts per doubling, at most an eighth more, and returns exactly its rows' outputs."""
+    counts = {padded_rows(rows) for rows in range(1, 4097)}
+    for low in (16, 32, 64, 128, 256, 512, 1024, 2048):
+        assert len({c for c in counts if low < c <= 2 * low}) <= 8
+    assert all(rows <= padded_rows(rows) <= rows + max(0, rows - 1) // 8 + 1 for rows in range(1, 4097))
+    assert [padded_rows(rows) for rows in range(1, 17)] == list(range(1, 17))
+    torch.manual_seed(0)
+    weight, bias = torch.randn(700, 128), torch.randn(700)
+    layer = PackedLinear(weight, bias)
+    for rows in (1, 7, 17, 23, 40, 41, 57, 130):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)

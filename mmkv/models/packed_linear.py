@@ -32,6 +32,19 @@ def packing_available(weight: torch.Tensor) -> bool:
 PLAIN_FLOAT32_WORK = 400_000
 
 
+def padded_rows(rows: int) -> int:
+    """The row count a packed layer runs ``rows`` rows at: every count up to 16, then the next
+    multiple of an eighth of the power of two below it (at most 8 counts per doubling, at most
+    1/8 more rows). oneDNN builds a primitive for every row count it meets, once, for 250-700 us
+    (a warm call at decode shapes takes 10-40 us); speculative verification meets a new count
+    almost every round (the sum of the sequences' drafts), and its passes took twice as long as
+    those of one repeated count."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
 class PackedLinear:
     """``y = x @ weight.T + bias`` with the weight in oneDNN's layout. A float32 weight small
     enough for ``F.linear`` to win on few rows keeps its plain copy too (at most 1.6 MB)."""
@@ -45,9 +58,14 @@ class PackedLinear:
         self.plain = weight if small else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and x.shape[0] * self.elements <= PLAIN_FLOAT32_WORK:
+        rows = x.shape[0]
+        if self.plain is not None and rows * self.elements <= PLAIN_FLOAT32_WORK:
             return F.linear(x, self.plain, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        padded = padded_rows(rows)
+        if padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        x = F.pad(x, (0, 0, 0, padded - rows))
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
 
 
 class PlainLinear:
