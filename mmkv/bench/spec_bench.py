@@ -105,8 +105,7 @@ def paired(base: list[float], seconds: list[float]) -> float:
     """How many times faster than ``base`` the runs taking ``seconds`` are: the median over
     rounds of each round's ratio. This machine's speed drifts by 10-20 % over seconds, so the
     fastest run of each variant compares moments, not variants; two runs of the same round met
-    about the same machine (plain decoding against itself: 0.99-1.01 paired, up to 1.08 by the
-    fastest runs)."""
+    about the same machine, and the median leaves out a round in which they did not."""
     return statistics.median(b / s for b, s in zip(base, seconds, strict=True))
 
 
