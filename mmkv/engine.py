@@ -358,10 +358,9 @@ class Engine:
             self._run_plain(seqs, q_lens, touched, failed)
             return
         context = sum(len(s.token_ids) for s in seqs)
-        clock = self.speculator.controller.clock
-        start = clock()
+        start = self.speculator.started()
         self._run_plain(seqs, q_lens, touched, failed)
-        self.speculator.observe_plain(len(seqs), context, clock() - start)
+        self.speculator.observe("plain", len(seqs), context, start)
 
     def _forward_plain(self, seqs: list[Sequence], q_lens: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Logits at the last token of every sequence whose last token is computed now (and the

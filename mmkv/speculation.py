@@ -43,6 +43,7 @@ import torch
 from cache import KVCache
 from mmkv.attention.metadata import next_position
 from mmkv.models import ModelAdapter, StepContext
+from mmkv.models.packed_linear import kernel_builds
 from mmkv.sampler import filtered_probs
 from mmkv.sequence import Sequence
 from speculative import (DraftHistory, DraftLengthController, SpeculativeConfig, Verdict,
@@ -119,9 +120,18 @@ class Speculator(ABC):
         draft never falls behind)."""
         return None
 
-    def observe_plain(self, rows: int, context: int, seconds: float) -> None:
-        """A plain decoding pass over ``rows`` sequences attending ``context`` tokens took this."""
-        self.controller.observe_pass("plain", rows, context, seconds)
+    def started(self) -> tuple[float, int]:
+        """A pass starts now: the controller's clock and ``kernel_builds()``, for ``observe``."""
+        return self.controller.clock(), kernel_builds()
+
+    def observe(self, kind: str, rows: int, context: int, started: tuple[float, int],
+                sequences: int | None = None) -> None:
+        """Tell the controller what a pass begun at ``started`` took, unless a packed layer built
+        a kernel in it (a row count met for the first time: 2-3x what the next pass of that shape
+        takes, which taught the cost fit a row slope the plain steps never corrected)."""
+        if kernel_builds() == started[1]:
+            self.controller.observe_pass(kind, rows, context, self.controller.clock() - started[0],
+                                         sequences)
 
     def summary(self) -> dict[str, float]:
         return {**self.stats.as_dict(), **self.controller.summary()}
@@ -133,7 +143,7 @@ class Speculator(ABC):
         pending token only) and verify them. Each table must have slots reserved up to
         ``len(token_ids) + gammas[i] - 1``. A sequence drafts nothing after one of its
         ``stop_tokens`` (it would end there). Every pass is timed for the controller."""
-        clock, controller = self.controller.clock, self.controller
+        controller = self.controller
         lens = [len(s.token_ids) for s in seqs]
         chosen, gammas = list(gammas), list(gammas)
         inputs = [s.token_ids[-1] for s in seqs]
@@ -147,7 +157,7 @@ class Speculator(ABC):
             live = [b for b in drafting_seqs if i <= gammas[b]]
             if not live:  # every sequence stopped drafting early
                 break
-            start = clock()
+            start = self.started()
             drafting = [r for r, b in enumerate(live) if i < gammas[b]]
             logits = self._draft_pass([seqs[b] for b in live], [inputs[b] for b in live],
                                       [lens[b] + i for b in live], drafting, live)
@@ -163,8 +173,9 @@ class Speculator(ABC):
                 inputs[b] = token
                 if token in stop_tokens[b]:
                     gammas[b] = i + 1  # one more pass completes this draft's K/V
-            controller.observe_pass("draft", len(live), sum(lens[b] + i for b in live), clock() - start)
-        start = clock()
+            self.observe("draft" if i else "first_draft", len(live), sum(lens[b] + i for b in live),
+                         start)
+        start = self.started()
         logits = self._verify_logits(seqs, gammas, drafts, lens)
         best = logits.argmax(dim=-1).tolist()  # the greedy sequences' verdicts read one argmax
         verdicts, row = [], 0
@@ -177,8 +188,8 @@ class Speculator(ABC):
                 p = torch.stack([filtered_probs(r, seq.params) for r in rows]).cpu()
                 qs = torch.stack(q).cpu() if q else p[:0]
                 verdicts.append(verify_sampling(d, qs, p, seq.generator))
-        controller.observe_pass("verify", row, sum((g + 1) * n + g * (g + 1) // 2
-                                                   for n, g in zip(lens, gammas)), clock() - start)
+        self.observe("verify", row, sum((g + 1) * n + g * (g + 1) // 2 for n, g in zip(lens, gammas)),
+                     start, len(seqs))
         for seq, n, c, d, v, u in zip(seqs, lens, chosen, drafts, verdicts, unsure):
             controller.observe_round(self._history(seq), c, len(d), v.accepted, u)
             if c or self.every_sequence_drafts:
@@ -321,10 +332,10 @@ class DraftModelSpeculator(Speculator):
                             images=False)
         ids = torch.tensor([t for (s, v), e in zip(behind, ends) for t in s.token_ids[v:e]],
                            dtype=torch.long, device=step.batch.positions.device)
-        start = self.controller.clock()
+        start = self.started()
         self._forward_draft(ids, step)
         attended = sum(e * (e + 1) - v * (v + 1) for (_, v), e in zip(behind, ends)) // 2
-        self.controller.observe_pass("draft", ids.shape[0], attended, self.controller.clock() - start)
+        self.observe("catch_up", ids.shape[0], attended, start, len(behind))
         for (seq, valid), end in zip(behind, ends):
             self._drafted_through(seq, valid, end)
 

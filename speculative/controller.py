@@ -13,12 +13,15 @@ each sequence's pending token and proposals. With the sequence's smoothed per-po
     draft pass i, i >= 1:   rows_i = sum_{b: g_b >= i} D_bi, run with probability 1 - prod (1 - D_bi)
     verification rows       = sum_b (1 + sum_{j <= g_b} D_bj)
 
-and the cost of each pass from ``speculative.costs`` (a fixed part and a part per row and per
-context token, fitted online per kind of pass: plain, draft, verify). The round's goodput is
-expected tokens per expected second; plain decoding's is ``B / T_plain(B)``.
+and the cost of each pass from ``speculative.costs`` (a fixed part and parts per row, per
+sequence and per context token, fitted online: plain decoding and verification share one fit,
+the first and later draft passes another, verification and the first draft pass paying an extra
+fixed part; a draft model's catch-up passes have their own). The round's goodput is expected
+tokens per expected second; plain decoding's is ``B / T_plain(B)``.
 
 The choice. A ``j``-th draft of sequence ``b`` adds ``D_bj A_bj`` expected tokens for
-``D_bj (m_draft + m_verify)`` seconds (one more row in a draft pass and in verification), so at a
+``D_bj (m_draft + m_verify)`` seconds (one more sequence in draft pass ``j``, one more row of a
+sequence already in verification), so at a
 goodput ``R`` it pays while ``A_bj >= R (m_draft + m_verify)``: that gives each sequence its horizon
 ``h_b``. A round of length ``L`` gives sequence ``b`` the cap ``min(L, h_b)``; every ``L`` from 1 to
 the longest horizon is priced with the passes' fixed costs, so a round stops before the longest
@@ -61,7 +64,9 @@ class ends the hold and is priced at once. Nothing a plain step teaches the cont
 decoding's cost changes while it holds, so a workload that starts to pay (a change of prompts at
 the same batch size) waits at most ``HOLD_MAX`` steps for its first round. A priced round's
 lengths are held the same way while the batch is the same sequences (each clipped to its limit):
-1 round, then 2, up to ``ROUND_HOLD_MAX``; a round moves a sequence's rates by one observation
+1 round, then 2, up to ``ROUND_HOLD_MAX`` while pricing keeps choosing the same sequences to
+draft, 1 again when it chooses others (a re-check that lets a sequence whose drafts were rejected
+draft again is held for one round, not four); a round moves a sequence's rates by one observation
 against the ten or so its decayed counts weigh, and at batch 1 planning every round cost 7 % of
 the bundled model's summaries.
 
@@ -80,7 +85,7 @@ from typing import Callable
 import numpy as np
 
 from speculative.acceptance import AcceptanceModel, DraftHistory
-from speculative.costs import CONTEXT_SCALE, ROW_SCALE, PassCosts
+from speculative.costs import CONTEXT_SCALE, EXTRA, ROW_SCALE, PassCosts
 from speculative.lengths import OutputLengths
 
 EXPLORE = 2
@@ -166,14 +171,15 @@ class DraftLengthController:
 
     def _hold_after(self, caps: list[int], histories: list[DraftHistory], priced: bool) -> None:
         """Start a hold after a priced decision, twice as long as the last one of its kind (a
-        round's, or a plain step's in this batch size class); a priced round starts its class's
-        plain span again."""
+        round's with the same sequences drafting, or a plain step's in this batch size class); a
+        priced round starts its class's plain span again."""
         size_class = len(caps).bit_length()
         if not priced:
             self._hold = None
         elif any(caps):
             last = self._round_hold
-            span = 1 if last is None else min(ROUND_HOLD_MAX, 2 * last[3])
+            same = last is not None and [c > 0 for c in last[1]] == [c > 0 for c in caps]
+            span = min(ROUND_HOLD_MAX, 2 * last[3]) if same else 1
             self._hold, self._round_hold = None, (list(histories), caps, span, span)
             self._plain_spans.pop(size_class, None)
         else:
@@ -201,8 +207,11 @@ class DraftLengthController:
                       confidence_stop: bool) -> None:
         self.acceptance.observe(history, chosen, proposed, accepted, confidence_stop)
 
-    def observe_pass(self, kind: str, rows: int, context: int, seconds: float) -> None:
-        self.costs.observe(kind, rows, context, seconds)
+    def observe_pass(self, kind: str, rows: int, context: int, seconds: float,
+                     sequences: int | None = None) -> None:
+        """A pass of ``kind`` over ``rows`` query tokens of ``sequences`` sequences (default:
+        one row each) attending ``context`` tokens in all took ``seconds``."""
+        self.costs.observe(kind, rows, context, seconds, sequences)
 
     def _caps(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
               behind: list[tuple[int, int, int]] | None = None) -> list[int]:
@@ -219,7 +228,8 @@ class DraftLengthController:
         plain = batch / costs.predict("plain", batch, context)
         proposes, accepted, accepts = self._curves(histories, limits)
         sizes = np.asarray(lengths, dtype=np.float64)
-        per_row = _variable(costs, "draft", 1.0, sizes) + _variable(costs, "verify", 1.0, sizes)
+        # a j-th draft: one more sequence in draft pass j, one more row of a verified sequence
+        per_row = _variable(costs, "draft", 1.0, sizes, 1.0) + _variable(costs, "verify", 1.0, sizes, 0.0)
         if not (accepted[:, 0] >= plain * per_row).any():
             return [0] * batch  # no sequence's first draft pays at plain decoding's goodput
         if behind is None:
@@ -228,7 +238,7 @@ class DraftLengthController:
             debts = np.asarray([debt for debt, _, _ in behind], dtype=np.float64)
             left = np.asarray([self.lengths.expected_left(generated, cap)
                                for _, cap, generated in behind], dtype=np.float64)
-        catch_up = _variable(costs, "draft", debts, debts * (sizes - debts / 2))  # seconds each
+        catch_up = _variable(costs, "catch_up", debts, debts * (sizes - debts / 2), debts > 0)  # s each
         charge = np.zeros(batch)
         best, caps, goal = ROUND_MARGIN * plain, [0] * batch, plain
         for _ in range(2):
@@ -288,25 +298,29 @@ class DraftLengthController:
         rows = d.sum(axis=0)
         attended = (d * (lengths[:, None] + position)).sum(axis=0)
         runs = 1.0 - np.prod(1.0 - d, axis=0)  # the pass runs if anyone proposes in it
-        first = costs.predict("draft", batch, context) + catch_up + catches_up * costs.fixed("draft")
-        seconds = first + np.cumsum(runs * costs.fixed("draft") + _variable(costs, "draft", rows, attended))
+        first = (costs.predict("first_draft", batch, context) + catch_up
+                 + catches_up * costs.fixed("catch_up"))
+        seconds = first + np.cumsum(runs * costs.fixed("draft") + _variable(costs, "draft", rows, attended, rows))
         tokens = batch + np.cumsum((accepts[:, :longest] * carried).sum(axis=0))
-        verify = _predict(costs, "verify", batch + np.cumsum(rows), context + np.cumsum(attended))
+        verify = _predict(costs, "verify", batch + np.cumsum(rows), context + np.cumsum(attended), batch)
         rate = tokens / (seconds + verify)
         best = int(np.argmax(rate))
         return (float(rate[best]), best + 1) if rate[best] > 0 else (0.0, 0)
 
 
-def _variable(costs: PassCosts, kind: str, rows, context) -> np.ndarray:
-    """``PassCosts.variable`` over arrays."""
-    _, t1, t2 = costs.fit(kind).theta
-    return np.maximum(t1 * np.asarray(rows) / ROW_SCALE + t2 * np.asarray(context) / CONTEXT_SCALE, 0.0)
+def _variable(costs: PassCosts, kind: str, rows, context, sequences) -> np.ndarray:
+    """The part of a pass's predicted seconds that grows with its rows, sequences and context,
+    over arrays."""
+    _, t_rows, t_seqs, t_context, _ = costs.fit(kind).theta
+    return (t_rows * np.asarray(rows) / ROW_SCALE + t_seqs * np.asarray(sequences) / ROW_SCALE
+            + t_context * np.asarray(context) / CONTEXT_SCALE)
 
 
-def _predict(costs: PassCosts, kind: str, rows: np.ndarray, context: np.ndarray) -> np.ndarray:
+def _predict(costs: PassCosts, kind: str, rows: np.ndarray, context: np.ndarray, sequences) -> np.ndarray:
     """``PassCosts.predict`` over arrays."""
-    t0, t1, t2 = costs.fit(kind).theta
-    return np.maximum(t0 + t1 * rows / ROW_SCALE + t2 * context / CONTEXT_SCALE, 1e-7)
+    theta = costs.fit(kind).theta
+    fixed = theta[0] + theta[4] * (kind in EXTRA)
+    return np.maximum(fixed + _variable(costs, kind, rows, context, sequences), 1e-7)
 
 
 def _curves(proposed: list[float], accepted: list[float]) -> np.ndarray:

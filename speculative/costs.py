@@ -1,18 +1,34 @@
 """What a forward pass costs, learned online from the passes the engine times.
 
-Passes are of three kinds: ``plain`` decoding, a ``draft`` pass, a ``verify`` pass. A plain pass
-is a verification pass with no drafts (the target model over each sequence's pending rows), so
-the two share one fit, the *target* fit, and the draft passes have their own:
+Passes are of five kinds: ``plain`` decoding, a ``verify`` pass, a round's first draft pass
+(``first_draft``), its later ``draft`` passes, and a draft model's ``catch_up`` pass over the
+positions it skipped. A plain pass is a verification pass with no drafts (the target model over
+each sequence's pending rows), so the two share one fit, the *target* fit; the draft passes
+share the *draft* fit; a catch-up pass, a prompt chunk through the draft model (hundreds of
+rows of a few sequences), has a fit of its own (in the draft fit its many cheap rows lowered the
+row cost of the one-row-per-sequence passes, and more rounds of a batch's draining sequences paid
+a catch-up over a whole report for a token or two):
 
-    seconds = θ0 + θ1 · rows / 16 + θ2 · context / 16384
+    seconds = θ0 + θ1 · rows / 16 + θ2 · sequences / 16 + θ3 · context / 16384 + θ4 · extra
 
-(``rows``: the query tokens of the pass; ``context``: the tokens they attend to, summed over rows),
-by exponentially weighted least squares: every observation multiplies the past's weight by
-``decay``, so the fit follows the batch and the contexts as they move. A small ridge term makes
-one observation enough for a usable (minimum-norm) fit. Interference only ever adds time (a pass
-that met another process on a shared core), so the fit leans on the fast passes: an observation
-above the prediction of the last fit solved weighs ``SLOW_WEIGHT``, and one more than ``SPIKE``
-times that prediction counts as ``SPIKE`` times it.
+(``rows``: the query tokens of the pass; ``sequences``: how many sequences they belong to;
+``context``: the tokens they attend to, summed over rows; ``extra``: 1 for a verification pass or
+a round's first draft pass, 0 for the others). A pass costs mostly per sequence (its attention
+metadata and kernel calls, its sampling) and little per further row of a sequence: on the bundled
+model at batch 32 a plain step takes 5.3 ms and a verification of the same 32 sequences over 96
+rows 6.4 ms; read as rows alone, that per-sequence cost priced a 24-draft round's verification
+at several times what it took. The extra term is what a verification pass costs beyond a plain
+one over the same rows (it gathers the drafts' hidden states and reads the logits of every row),
+and what a round's first draft pass costs beyond a later one (it plans the step's attention
+afresh; later passes move that plan on a position).
+
+The fit is exponentially weighted least squares with every coefficient but θ0 at least 0: every
+observation multiplies the past's weight by ``decay``, so the fit follows the batch and the
+contexts as they move, and a pass never costs less for more rows, sequences or context. A small
+ridge term makes one observation enough for a usable (minimum-norm) fit. Interference only ever
+adds time (a pass that met another process on a shared core), so the fit leans on the fast
+passes: an observation above the prediction of the last fit solved weighs ``SLOW_WEIGHT``, and
+one more than ``SPIKE`` times that prediction counts as ``SPIKE`` times it.
 
 Why shared: plain decoding's cost is what every round is weighed against, and while rounds run
 there are no plain passes to time. A fit of its own kept whatever its first passes measured: on
@@ -27,72 +43,128 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KINDS = ("plain", "draft", "verify")
-FIT_OF = {"plain": "target", "verify": "target", "draft": "draft"}
+KINDS = ("plain", "verify", "first_draft", "draft", "catch_up")
+FIT_OF = {"plain": "target", "verify": "target", "first_draft": "draft", "draft": "draft",
+          "catch_up": "catch_up"}
+EXTRA = {"verify", "first_draft"}  # kinds that pay their fit's extra fixed cost
 ROW_SCALE, CONTEXT_SCALE = 16.0, 16384.0
 SPIKE = 2.0  # observations above SPIKE x the prediction count as SPIKE x the prediction
 SLOW_WEIGHT = 0.25  # the weight of an observation above the prediction
 
 
-def _features(rows: float, context: float) -> tuple[float, float, float]:
-    return 1.0, rows / ROW_SCALE, context / CONTEXT_SCALE
+def _features(rows: float, context: float, sequences: float, extra: bool) -> tuple[float, ...]:
+    return 1.0, rows / ROW_SCALE, sequences / ROW_SCALE, context / CONTEXT_SCALE, float(extra)
+
+
+NUM_FEATURES = 5
+SLOPE_SETS = tuple(sorted((tuple(f for f in range(1, NUM_FEATURES) if mask >> (f - 1) & 1)
+                           for mask in range(2 ** (NUM_FEATURES - 1))), key=len, reverse=True))
 
 
 @dataclass(slots=True)
 class LinearFit:
-    """Exponentially weighted ridge regression of seconds on ``(1, rows, context)``."""
+    """Exponentially weighted ridge regression of seconds on ``(1, rows, sequences, context,
+    extra)`` with every coefficient but the intercept at least 0 (``theta``)."""
 
     decay: float = 0.97
     ridge: float = 1e-3
-    gram: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
-    moment: list[float] = field(default_factory=lambda: [0.0] * 3)
-    _theta: tuple[float, float, float] | None = None  # None: observed since last solved
-    _solved: tuple[float, float, float] | None = None  # the last fit solved
+    gram: list[list[float]] = field(default_factory=lambda: [[0.0] * NUM_FEATURES
+                                                              for _ in range(NUM_FEATURES)])
+    moment: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
+    _theta: tuple[float, ...] | None = None  # None: observed since last solved
+    _solved: tuple[float, ...] | None = None  # the last fit solved
 
-    def observe(self, rows: float, context: float, seconds: float) -> None:
-        x, d, w = _features(rows, context), self.decay, 1.0
+    def observe(self, rows: float, context: float, seconds: float,
+                sequences: float | None = None, extra: bool = False) -> None:
+        """A pass over ``rows`` query tokens of ``sequences`` sequences (default: one row each)
+        attending ``context`` tokens took ``seconds``; ``extra``: a pass of the kind that pays
+        the extra fixed cost."""
+        x = _features(rows, context, rows if sequences is None else sequences, extra)
+        d, w = self.decay, 1.0
         if self._solved is not None:
             expected = max(sum(t * f for t, f in zip(self._solved, x)), 1e-7)
             if seconds > expected:
                 seconds, w = min(seconds, SPIKE * expected), SLOW_WEIGHT
-        for i in range(3):
-            self.moment[i] = d * self.moment[i] + w * x[i] * seconds
-            for j in range(3):
-                self.gram[i][j] = d * self.gram[i][j] + w * x[i] * x[j]
+        self.moment = [d * m + w * f * seconds for m, f in zip(self.moment, x)]
+        self.gram = [[d * g + wf * f for g, f in zip(row, x)]
+                     for row, wf in zip(self.gram, [w * f for f in x])]
         self._theta = None
 
     @property
-    def theta(self) -> tuple[float, float, float]:
+    def theta(self) -> tuple[float, ...]:
+        """The ridge fit whose slopes are at least 0: a pass never costs less for more rows,
+        sequences or context, or for being of the kind that pays the extra fixed cost.
+        Unconstrained, features that rise together (every row of a workload attends about the
+        same context) trade their slopes off, and a negative one priced some passes at nothing.
+
+        Solved by active sets: the fit over the free coefficients (at first all); a negative
+        slope is held at 0 and the fit solved again; once every free slope is at least 0, a held
+        one whose gradient says the error falls if it grows is freed. A fit where neither applies
+        meets the optimality conditions of this convex problem, so it is the constrained optimum
+        (one or two solves, usually); should the sets cycle, every set is tried."""
         if self._theta is None:
-            a = [[g + (self.ridge if i == j else 0.0) for j, g in enumerate(row)] + [m]
-                 for i, (row, m) in enumerate(zip(self.gram, self.moment))]
-            self._theta = self._solved = _solve3(a)
+            free = list(range(NUM_FEATURES))
+            for _ in range(4 * NUM_FEATURES):
+                theta = self._solve(tuple(free))
+                negative = [i for i in free[1:] if theta[i] < 0.0]
+                if negative:
+                    free.remove(min(negative, key=lambda i: theta[i]))
+                    continue
+                gradient = self._gradient(theta)
+                growing = [i for i in range(1, NUM_FEATURES) if i not in free and gradient[i] < 0.0]
+                if not growing:
+                    break
+                free = sorted([*free, min(growing, key=lambda i: gradient[i])])
+            else:
+                theta = min((self._solve((0, *kept)) for kept in SLOPE_SETS),
+                            key=lambda t: self.objective(t) if min(t[1:]) >= 0.0 else float("inf"))
+            self._theta = self._solved = theta
         return self._theta
 
-    def predict(self, rows: float, context: float) -> float:
-        t0, t1, t2 = self.theta
-        x = _features(rows, context)
-        return max(t0 + t1 * x[1] + t2 * x[2], 1e-7)
+    def _gradient(self, theta: tuple[float, ...]) -> list[float]:
+        """Half the objective's gradient: ``(G + ridge) theta - m``."""
+        n = NUM_FEATURES
+        return [sum(self.gram[i][j] * theta[j] for j in range(n)) + self.ridge * theta[i]
+                - self.moment[i] for i in range(n)]
 
-    def variable(self, rows: float, context: float) -> float:
-        """The part of ``predict`` that grows with rows and context, at least 0."""
-        _, t1, t2 = self.theta
-        return max(t1 * rows / ROW_SCALE + t2 * context / CONTEXT_SCALE, 0.0)
+    def objective(self, theta: tuple[float, ...]) -> float:
+        """The ridge-weighted squared error of ``theta`` less its constant part:
+        ``theta' (G + ridge) theta - 2 theta' m``."""
+        n = NUM_FEATURES
+        return sum(theta[i] * (sum(self.gram[i][j] * theta[j] for j in range(n))
+                               + self.ridge * theta[i] - 2.0 * self.moment[i]) for i in range(n))
+
+    def _solve(self, kept: tuple[int, ...]) -> tuple[float, ...]:
+        """The ridge fit on the features ``kept`` (the others' coefficients 0)."""
+        a = [[self.gram[i][j] + (self.ridge if i == j else 0.0) for j in kept] + [self.moment[i]]
+             for i in kept]
+        theta = [0.0] * NUM_FEATURES
+        for i, value in zip(kept, _solve(a)):
+            theta[i] = value
+        return tuple(theta)
+
+    def predict(self, rows: float, context: float, sequences: float | None = None,
+                extra: bool = False) -> float:
+        return max(sum(t * f for t, f in zip(
+            self.theta, _features(rows, context, rows if sequences is None else sequences, extra))),
+            1e-7)
 
 
-def _solve3(a: list[list[float]]) -> tuple[float, float, float]:
-    """Gaussian elimination with partial pivoting on a 3 x 4 augmented matrix."""
-    for col in range(3):
-        pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
+
+def _solve(a: list[list[float]]) -> list[float]:
+    """Gaussian elimination with partial pivoting on an n x (n + 1) augmented matrix."""
+    n = len(a)
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
         a[col], a[pivot] = a[pivot], a[col]
-        for r in range(col + 1, 3):
+        for r in range(col + 1, n):
             f = a[r][col] / a[col][col]
-            for c in range(col, 4):
+            for c in range(col, n + 1):
                 a[r][c] -= f * a[col][c]
-    x = [0.0, 0.0, 0.0]
-    for r in (2, 1, 0):
-        x[r] = (a[r][3] - sum(a[r][c] * x[c] for c in range(r + 1, 3))) / a[r][r]
-    return x[0], x[1], x[2]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (a[r][n] - sum(a[r][c] * x[c] for c in range(r + 1, n))) / a[r][r]
+    return x
 
 
 class PassCosts:
@@ -107,19 +179,19 @@ class PassCosts:
     def fit(self, kind: str) -> LinearFit:
         return self.fits[FIT_OF[kind]]
 
-    def observe(self, kind: str, rows: int, context: int, seconds: float) -> None:
-        self.fit(kind).observe(rows, context, seconds)
+    def observe(self, kind: str, rows: int, context: int, seconds: float,
+                sequences: int | None = None) -> None:
+        self.fit(kind).observe(rows, context, seconds, sequences, kind in EXTRA)
         self.counts[kind] += 1
 
     def count(self, kind: str) -> int:
         return self.counts[kind]
 
-    def predict(self, kind: str, rows: float, context: float) -> float:
-        return self.fit(kind).predict(rows, context)
+    def predict(self, kind: str, rows: float, context: float, sequences: float | None = None) -> float:
+        return self.fit(kind).predict(rows, context, sequences, kind in EXTRA)
 
     def fixed(self, kind: str) -> float:
-        """Seconds a pass of this kind costs whatever its rows (the intercept, at least 0)."""
-        return max(self.fit(kind).theta[0], 0.0)
-
-    def variable(self, kind: str, rows: float, context: float) -> float:
-        return self.fit(kind).variable(rows, context)
+        """Seconds a pass of this kind costs whatever its rows (the intercept and, for a kind
+        that pays it, the extra fixed cost), at least 0."""
+        theta = self.fit(kind).theta
+        return max(theta[0] + theta[4] * (kind in EXTRA), 0.0)

@@ -15,7 +15,7 @@ from mmkv.sequence import Sequence
 from mmkv.speculation import Speculator
 from speculative import DraftLengthController, SpeculativeConfig
 from speculative.controller import EXPLORE, EXPLORE_LENGTH, HOLD_MAX
-from speculative.costs import LinearFit
+from speculative.costs import LinearFit, PassCosts
 from speculative.lengths import OutputLengths
 
 VOCAB = 16
@@ -76,9 +76,9 @@ def decode(spec: ScriptedPair, seqs: list[Sequence], steps: int, plain_cost) -> 
             for seq, verdict in zip(seqs, spec.round(seqs, gammas, [set()] * len(seqs))):
                 seq.token_ids += verdict.tokens
         else:
-            seconds = plain_cost(len(seqs))
-            spec.clock.now += seconds
-            spec.observe_plain(len(seqs), sum(len(s.token_ids) for s in seqs), seconds)
+            start = spec.started()
+            spec.clock.now += plain_cost(len(seqs))
+            spec.observe("plain", len(seqs), sum(len(s.token_ids) for s in seqs), start)
             for seq in seqs:
                 seq.token_ids.append(target(len(seq.token_ids)))
     for seq in seqs:  # the scripted rounds are exact: every token is the target's
@@ -294,8 +294,9 @@ def test_a_draft_far_behind_drafts_only_where_its_catch_up_pays_over_the_rounds_
         for _ in range(6):
             for h in histories:
                 controller.observe_round(h, 4, 4, 4, False)
-            for rows in (3, 3000):
-                controller.observe_pass("draft", rows, rows * 4000, 0.1 + 0.001 * rows)
+            controller.observe_pass("draft", 3, 3 * 4000, 0.1 + 0.001 * 3)
+            for rows in (300, 3000):  # catch-up passes of one sequence
+                controller.observe_pass("catch_up", rows, rows * 4000, 0.1 + 0.001 * rows, 1)
             for rows in (3, 15):
                 controller.observe_pass("verify", rows, rows * 4000, 2.0 + 0.01 * rows)
             controller.observe_pass("plain", 3, 12000, 2.0 + 0.01 * 3)
@@ -336,6 +337,51 @@ def test_linear_fit_recovers_a_linear_cost_and_clips_spikes():
     assert fit.predict(20, 3000) == pytest.approx(2.0 + 5.0 + 3.0, rel=1e-6)
     fit.observe(20, 3000, 1000.0)  # a stall: counted as at most 3 x the prediction
     assert fit.predict(20, 3000) < 3 * 10.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 800), st.integers(1, 64), st.integers(0, 40_000),
+                          st.booleans(), st.floats(1e-4, 5e-2)), min_size=1, max_size=40))
+def test_linear_fit_is_the_least_squares_fit_whose_slopes_are_not_negative(passes):
+    """Against projected coordinate descent on the same (ridge, decayed) objective: the fit's
+    slopes are at least 0 and no feasible fit has a smaller error."""
+    fit = LinearFit()
+    for rows, sequences, context, extra, seconds in passes:
+        fit.observe(rows, context, seconds, sequences, extra)
+    theta = fit.theta
+    assert min(theta[1:]) >= 0.0
+    n = len(theta)
+    a = [[g + (fit.ridge if i == j else 0.0) for j, g in enumerate(row)] for i, row in enumerate(fit.gram)]
+    oracle = [0.0] * n
+    for _ in range(3000):
+        for i in range(n):
+            value = (fit.moment[i] - sum(a[i][j] * oracle[j] for j in range(n) if j != i)) / a[i][i]
+            oracle[i] = value if i == 0 else max(0.0, value)
+
+    def objective(t):  # t' A t - 2 t' m
+        return sum(t[i] * (sum(a[i][j] * t[j] for j in range(n)) - 2.0 * fit.moment[i]) for i in range(n))
+
+    assert objective(theta) <= objective(oracle) + 1e-9 * max(1.0, abs(objective(oracle)))
+
+
+def test_a_long_verification_is_priced_from_plain_steps_by_its_rows_and_sequences():
+    """A pass costs mostly per sequence (metadata, attention calls, sampling), little per extra
+    row of a sequence, and a verification pass a little more than a plain one. Timed on plain
+    steps at batch 1 to 32 and on short verifications at batch 8, the target fit prices a
+    32-sequence verification of 25 rows each within 5 %; fitted on rows alone it read the
+    per-sequence cost as a per-row one and priced that pass at more than three times its cost."""
+    def seconds(rows, sequences, verify):
+        return 0.6e-3 + 0.14e-3 * sequences + 0.017e-3 * rows + 0.3e-3 * verify
+
+    costs = PassCosts()
+    for step in range(120):
+        batch = (1, 2, 4, 8, 16, 32)[step % 6]
+        costs.observe("plain", batch, 30 * batch, seconds(batch, batch, False))
+        if step % 3 == 0:
+            rows = 8 * (2 + step % 5)
+            costs.observe("verify", rows, 30 * rows, seconds(rows, 8, True), 8)
+    assert costs.predict("verify", 800, 24_000, 32) == pytest.approx(seconds(800, 32, True), rel=0.05)
+    assert costs.predict("plain", 32, 960) == pytest.approx(seconds(32, 32, False), rel=0.05)
 
 
 def test_bad_draft_length_mode_is_refused_by_name():

@@ -45,6 +45,16 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+_BUILT: set[tuple[int, int, int]] = set()  # (padded rows, out, in) a packed layer has run at
+
+
+def kernel_builds() -> int:
+    """How many (row count, weight shape) pairs packed layers have run at in this process: when
+    it moves across a pass, oneDNN built a kernel in it, and that pass took far longer than the
+    next one of its shape will."""
+    return len(_BUILT)
+
+
 class PackedLinear:
     """``y = x @ weight.T + bias`` with the weight in oneDNN's layout. A float32 weight small
     enough for ``F.linear`` to win on few rows keeps its plain copy too (at most 1.6 MB)."""
@@ -54,6 +64,7 @@ class PackedLinear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = None if bias is None else bias.detach()
         self.elements = weight.numel()
+        self.shape = tuple(weight.shape)
         small = weight.dtype == torch.float32 and self.elements <= PLAIN_FLOAT32_WORK
         self.plain = weight if small else None
 
@@ -62,6 +73,7 @@ class PackedLinear:
         if self.plain is not None and rows * self.elements <= PLAIN_FLOAT32_WORK:
             return F.linear(x, self.plain, self.bias)
         padded = padded_rows(rows)
+        _BUILT.add((padded, *self.shape))
         if padded == rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         x = F.pad(x, (0, 0, 0, padded - rows))
