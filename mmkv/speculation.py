@@ -15,7 +15,8 @@ continues from):
    the radix tree.
 
 Every draft pass, verification pass and plain decoding pass is timed and told to the controller
-with its rows and context, and every round's proposals and acceptances.
+with its rows, sequences and context (except a pass in which a packed layer built a kernel: it took
+far longer than the next of its shape will), and every round's proposals and acceptances.
 
 Two drafts:
 

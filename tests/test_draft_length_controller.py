@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmkv import SamplingParams
+from mmkv.models import packed_linear
 from mmkv.sequence import Sequence
 from mmkv.speculation import Speculator
 from speculative import DraftLengthController, SpeculativeConfig
@@ -382,6 +383,21 @@ def test_a_long_verification_is_priced_from_plain_steps_by_its_rows_and_sequence
             costs.observe("verify", rows, 30 * rows, seconds(rows, 8, True), 8)
     assert costs.predict("verify", 800, 24_000, 32) == pytest.approx(seconds(800, 32, True), rel=0.05)
     assert costs.predict("plain", 32, 960) == pytest.approx(seconds(32, 32, False), rel=0.05)
+
+
+def test_a_pass_in_which_a_kernel_was_built_is_not_timed(monkeypatch):
+    """The first pass at a row count builds oneDNN kernels and takes 2-3x the next one of its
+    shape: the controller is told the passes that did not build one."""
+    spec = ScriptedPair(lambda seq, pos: True, draft_ms, verify_ms)
+    start = spec.started()
+    spec.clock.now += 0.005
+    spec.observe("plain", 4, 40, start)
+    assert spec.controller.costs.count("plain") == 1
+    start = spec.started()
+    monkeypatch.setattr(packed_linear, "_BUILT", packed_linear._BUILT | {(-1, 0, 0)})  # a build
+    spec.clock.now += 0.015
+    spec.observe("plain", 4, 40, start)
+    assert spec.controller.costs.count("plain") == 1
 
 
 def test_bad_draft_length_mode_is_refused_by_name():
