@@ -57,8 +57,9 @@ def _features(rows: float, context: float, sequences: float, extra: bool) -> tup
 
 
 NUM_FEATURES = 5
-SLOPE_SETS = tuple(sorted((tuple(f for f in range(1, NUM_FEATURES) if mask >> (f - 1) & 1)
-                           for mask in range(2 ** (NUM_FEATURES - 1))), key=len, reverse=True))
+SLOPE_SETS = tuple(tuple(f for f in range(1, NUM_FEATURES) if mask >> (f - 1) & 1)
+                   for mask in range(2 ** (NUM_FEATURES - 1)))  # every set of slopes left free
+ACTIVE_SET_STEPS = 4 * NUM_FEATURES  # active-set solves before every set is tried instead
 
 
 @dataclass(slots=True)
@@ -104,7 +105,7 @@ class LinearFit:
         (one or two solves, usually); should the sets cycle, every set is tried."""
         if self._theta is None:
             free = list(range(NUM_FEATURES))
-            for _ in range(4 * NUM_FEATURES):
+            for _ in range(ACTIVE_SET_STEPS):
                 theta = self._solve(tuple(free))
                 negative = [i for i in free[1:] if theta[i] < 0.0]
                 if negative:

@@ -16,6 +16,7 @@ from mmkv.sequence import Sequence
 from mmkv.speculation import Speculator
 from speculative import DraftLengthController, SpeculativeConfig
 from speculative.controller import EXPLORE, EXPLORE_LENGTH, HOLD_MAX
+from speculative import costs as cost_model
 from speculative.costs import LinearFit, PassCosts
 from speculative.lengths import OutputLengths
 
@@ -363,6 +364,24 @@ def test_linear_fit_is_the_least_squares_fit_whose_slopes_are_not_negative(passe
         return sum(t[i] * (sum(a[i][j] * t[j] for j in range(n)) - 2.0 * fit.moment[i]) for i in range(n))
 
     assert objective(theta) <= objective(oracle) + 1e-9 * max(1.0, abs(objective(oracle)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 800), st.integers(1, 64), st.integers(0, 40_000),
+                          st.booleans(), st.floats(1e-4, 5e-2)), min_size=1, max_size=40))
+def test_trying_every_set_of_slopes_finds_the_active_sets_fit(passes):
+    """The fallback for active sets that cycle: the best feasible fit over every set of free
+    slopes is the same optimum."""
+    fits = [LinearFit(), LinearFit()]
+    for fit in fits:
+        for rows, sequences, context, extra, seconds in passes:
+            fit.observe(rows, context, seconds, sequences, extra)
+    active = fits[0].theta
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cost_model, "ACTIVE_SET_STEPS", 0)
+        every = fits[1].theta
+    assert min(every[1:]) >= 0.0
+    assert fits[1].objective(every) == pytest.approx(fits[0].objective(active), rel=1e-9, abs=1e-15)
 
 
 def test_a_long_verification_is_priced_from_plain_steps_by_its_rows_and_sequences():
