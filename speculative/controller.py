@@ -85,7 +85,7 @@ from typing import Callable
 import numpy as np
 
 from speculative.acceptance import AcceptanceModel, DraftHistory
-from speculative.costs import CONTEXT_SCALE, EXTRA, ROW_SCALE, PassCosts
+from speculative.costs import CONTEXT_SCALE, ROW_SCALE, PassCosts
 from speculative.lengths import OutputLengths
 
 EXPLORE = 2
@@ -318,9 +318,7 @@ def _variable(costs: PassCosts, kind: str, rows, context, sequences) -> np.ndarr
 
 def _predict(costs: PassCosts, kind: str, rows: np.ndarray, context: np.ndarray, sequences) -> np.ndarray:
     """``PassCosts.predict`` over arrays."""
-    theta = costs.fit(kind).theta
-    fixed = theta[0] + theta[4] * (kind in EXTRA)
-    return np.maximum(fixed + _variable(costs, kind, rows, context, sequences), 1e-7)
+    return np.maximum(costs.intercept(kind) + _variable(costs, kind, rows, context, sequences), 1e-7)
 
 
 def _curves(proposed: list[float], accepted: list[float]) -> np.ndarray:

@@ -131,9 +131,7 @@ class LinearFit:
     def objective(self, theta: tuple[float, ...]) -> float:
         """The ridge-weighted squared error of ``theta`` less its constant part:
         ``theta' (G + ridge) theta - 2 theta' m``."""
-        n = NUM_FEATURES
-        return sum(theta[i] * (sum(self.gram[i][j] * theta[j] for j in range(n))
-                               + self.ridge * theta[i] - 2.0 * self.moment[i]) for i in range(n))
+        return sum(t * (g - m) for t, g, m in zip(theta, self._gradient(theta), self.moment))
 
     def _solve(self, kept: tuple[int, ...]) -> tuple[float, ...]:
         """The ridge fit on the features ``kept`` (the others' coefficients 0)."""
@@ -191,8 +189,12 @@ class PassCosts:
     def predict(self, kind: str, rows: float, context: float, sequences: float | None = None) -> float:
         return self.fit(kind).predict(rows, context, sequences, kind in EXTRA)
 
-    def fixed(self, kind: str) -> float:
-        """Seconds a pass of this kind costs whatever its rows (the intercept and, for a kind
-        that pays it, the extra fixed cost), at least 0."""
+    def intercept(self, kind: str) -> float:
+        """The fit's part of a pass of this kind that does not grow with its rows, sequences or
+        context: the intercept and, for a kind that pays it, the extra fixed cost."""
         theta = self.fit(kind).theta
-        return max(theta[0] + theta[4] * (kind in EXTRA), 0.0)
+        return theta[0] + theta[4] * (kind in EXTRA)
+
+    def fixed(self, kind: str) -> float:
+        """Seconds a pass of this kind costs whatever its rows (``intercept``, at least 0)."""
+        return max(self.intercept(kind), 0.0)

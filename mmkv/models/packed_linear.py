@@ -65,6 +65,7 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach()
         self.elements = weight.numel()
         self.shape = tuple(weight.shape)
+        self.row_counts: set[int] = set()  # the padded row counts this layer has run at
         small = weight.dtype == torch.float32 and self.elements <= PLAIN_FLOAT32_WORK
         self.plain = weight if small else None
 
@@ -73,7 +74,9 @@ class PackedLinear:
         if self.plain is not None and rows * self.elements <= PLAIN_FLOAT32_WORK:
             return F.linear(x, self.plain, self.bias)
         padded = padded_rows(rows)
-        _BUILT.add((padded, *self.shape))
+        if padded not in self.row_counts:  # a set of ints here; the shared set only when new
+            self.row_counts.add(padded)
+            _BUILT.add((padded, *self.shape))
         if padded == rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         x = F.pad(x, (0, 0, 0, padded - rows))
