@@ -27,8 +27,10 @@ observation multiplies the past's weight by ``decay``, so the fit follows the ba
 contexts as they move, and a pass never costs less for more rows, sequences or context. A small
 ridge term makes one observation enough for a usable (minimum-norm) fit. Interference only ever
 adds time (a pass that met another process on a shared core), so the fit leans on the fast
-passes: an observation above the prediction of the last fit solved weighs ``SLOW_WEIGHT``, and
-one more than ``SPIKE`` times that prediction counts as ``SPIKE`` times it.
+passes: an observation above the prediction of the last fit solved from passes weighs
+``SLOW_WEIGHT``, and one more than ``SPIKE`` times that prediction counts as ``SPIKE`` times it.
+(A fit read before any pass, a catch-up fit priced before its first pass was timed, predicts
+nothing; clipped against it, every catch-up pass after read as free.)
 
 Why shared: plain decoding's cost is what every round is weighed against, and while rounds run
 there are no plain passes to time. A fit of its own kept whatever its first passes measured: on
@@ -73,7 +75,7 @@ class LinearFit:
                                                               for _ in range(NUM_FEATURES)])
     moment: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
     _theta: tuple[float, ...] | None = None  # None: observed since last solved
-    _solved: tuple[float, ...] | None = None  # the last fit solved
+    _solved: tuple[float, ...] | None = None  # the last fit solved from passes
 
     def observe(self, rows: float, context: float, seconds: float,
                 sequences: float | None = None, extra: bool = False) -> None:
@@ -119,7 +121,9 @@ class LinearFit:
             else:
                 theta = min((self._solve((0, *kept)) for kept in SLOPE_SETS),
                             key=lambda t: self.objective(t) if min(t[1:]) >= 0.0 else float("inf"))
-            self._theta = self._solved = theta
+            self._theta = theta
+            if self.gram[0][0] > 0.0:  # solved from passes: later ones are weighed against it
+                self._solved = theta
         return self._theta
 
     def _gradient(self, theta: tuple[float, ...]) -> list[float]:

@@ -341,6 +341,17 @@ def test_linear_fit_recovers_a_linear_cost_and_clips_spikes():
     assert fit.predict(20, 3000) < 3 * 10.0
 
 
+def test_a_fit_read_before_any_pass_does_not_clip_the_passes_that_follow():
+    """A fit read before it has seen a pass (a plan priced before the first catch-up pass was
+    timed) predicts nothing; the passes that follow are not clipped to ``SPIKE`` times that
+    nothing, so the fit learns what they took."""
+    fit = LinearFit()
+    assert fit.predict(400, 40_000, 4) == pytest.approx(0.0, abs=1e-6)
+    for _ in range(3):
+        fit.observe(400, 40_000, 0.004, 4)
+    assert fit.predict(400, 40_000, 4) == pytest.approx(0.004, rel=0.05)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 800), st.integers(1, 64), st.integers(0, 40_000),
                           st.booleans(), st.floats(1e-4, 5e-2)), min_size=1, max_size=40))
