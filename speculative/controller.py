@@ -9,9 +9,13 @@ each sequence's pending token and proposals. With the sequence's smoothed per-po
 
     D_bj = c_b1 ... c_bj      (it proposes a j-th draft)
     A_bj = a_b1 ... a_bj      (the first j proposals are all accepted, given proposed)
-    tokens      = sum_b (1 + sum_{j <= g_b} D_bj A_bj)
-    draft pass i, i >= 1:   rows_i = sum_{b: g_b >= i} D_bi, run with probability 1 - prod (1 - D_bi)
-    verification rows       = sum_b (1 + sum_{j <= g_b} D_bj)
+    S_bj                      (its output runs at least j tokens past its next one: the share of
+                               recent outputs that ran that far, ``speculative.lengths``; 0
+                               past its token limit)
+    tokens      = sum_b (1 + sum_{j <= g_b} D_bj A_bj S_bj)
+    draft pass i, i >= 1:   rows_i = sum_{b: g_b >= i} D_bi S_b(i-1), run with probability
+                            1 - prod (1 - D_bi S_b(i-1))
+    verification rows       = sum_b (1 + sum_{j <= g_b} D_bj S_b(j-1))
 
 and the cost of each pass from ``speculative.costs`` (a fixed part and parts per row, per
 sequence and per context token, fitted online: plain decoding and verification share one fit,
@@ -19,10 +23,13 @@ the first and later draft passes another, verification and the first draft pass 
 fixed part; a draft model's catch-up passes have their own). The round's goodput is expected
 tokens per expected second; plain decoding's is ``B / T_plain(B)``.
 
-The choice. A ``j``-th draft of sequence ``b`` adds ``D_bj A_bj`` expected tokens for
+(No draft is proposed past an end-of-sequence token, and no token follows one: a summary two
+tokens from its end gets two tokens from a round of eight drafts.)
+
+The choice. A ``j``-th draft of sequence ``b`` adds ``D_bj A_bj S_bj`` expected tokens for at most
 ``D_bj (m_draft + m_verify)`` seconds (one more sequence in draft pass ``j``, one more row of a
-sequence already in verification), so at a
-goodput ``R`` it pays while ``A_bj >= R (m_draft + m_verify)``: that gives each sequence its horizon
+sequence already in verification), so at a goodput ``R`` it pays while
+``A_bj S_bj >= R (m_draft + m_verify)``: that gives each sequence its horizon
 ``h_b``. A round of length ``L`` gives sequence ``b`` the cap ``min(L, h_b)``; every ``L`` from 1 to
 the longest horizon is priced with the passes' fixed costs, so a round stops before the longest
 horizon when its last passes carry too few rows to pay for themselves. ``R`` starts at plain
@@ -129,11 +136,12 @@ class DraftLengthController:
         return history
 
     def choose(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
-               behind: list[tuple[int, int, int]] | None = None) -> list[int]:
+               progress: list[tuple[int, int]] | None = None,
+               behind: list[int] | None = None) -> list[int]:
         """Draft lengths for sequences of context ``lengths`` that may draft up to ``limits``;
-        ``behind``: for each, the positions a draft model must fill in before it can draft,
-        the most tokens it may still generate and the tokens it has generated (the tokens it
-        is expected to generate come from ``lengths``, what recent outputs ran to)."""
+        ``progress``: for each, the tokens it has generated and the most it may still generate
+        (where it is expected to end comes from ``lengths``, what recent outputs ran to);
+        ``behind``: for each, the positions a draft model must fill in before it can draft."""
         if self.fixed:
             caps = list(limits)
         elif self._holding(len(limits)):
@@ -142,7 +150,7 @@ class DraftLengthController:
             caps = held
         else:
             planned = self.planned
-            caps = self._caps(histories, limits, lengths, behind)
+            caps = self._caps(histories, limits, lengths, progress, behind)
             self._hold_after(caps, histories, priced=self.planned > planned)
         for history, cap in zip(histories, caps):
             history.decisions += 1
@@ -214,7 +222,8 @@ class DraftLengthController:
         self.costs.observe(kind, rows, context, seconds, sequences)
 
     def _caps(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
-              behind: list[tuple[int, int, int]] | None = None) -> list[int]:
+              progress: list[tuple[int, int]] | None = None,
+              behind: list[int] | None = None) -> list[int]:
         if not any(limits):
             return [0] * len(limits)
         if self.costs.count("verify") < EXPLORE:
@@ -227,17 +236,22 @@ class DraftLengthController:
         costs, batch, context = self.costs, len(limits), sum(lengths)
         plain = batch / costs.predict("plain", batch, context)
         proposes, accepted, accepts = self._curves(histories, limits)
+        if progress is not None and self.lengths.recent:  # no draft or token past the output's end
+            running = self.lengths.survival([generated for generated, _ in progress], proposes.shape[1])
+            running[np.arange(running.shape[1]) >= np.asarray([cap for _, cap in progress])[:, None]] = 0.0
+            proposes, accepts = proposes * running[:, :-1], accepts * running[:, 1:]
+            accepted = accepted * running[:, 1:]
         sizes = np.asarray(lengths, dtype=np.float64)
         # a j-th draft: one more sequence in draft pass j, one more row of a verified sequence
         per_row = _variable(costs, "draft", 1.0, sizes, 1.0) + _variable(costs, "verify", 1.0, sizes, 0.0)
         if not (accepted[:, 0] >= plain * per_row).any():
             return [0] * batch  # no sequence's first draft pays at plain decoding's goodput
-        if behind is None:
+        if behind is None or progress is None:
             debts, left = np.zeros((2, batch))
         else:
-            debts = np.asarray([debt for debt, _, _ in behind], dtype=np.float64)
+            debts = np.asarray(behind, dtype=np.float64)
             left = np.asarray([self.lengths.expected_left(generated, cap)
-                               for _, cap, generated in behind], dtype=np.float64)
+                               for generated, cap in progress], dtype=np.float64)
         catch_up = _variable(costs, "catch_up", debts, debts * (sizes - debts / 2), debts > 0)  # s each
         charge = np.zeros(batch)
         best, caps, goal = ROUND_MARGIN * plain, [0] * batch, plain

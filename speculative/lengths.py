@@ -11,15 +11,23 @@ The estimate for a sequence that has generated ``g`` tokens, with at most ``cap`
 of ``L - g`` over the recent outputs' lengths ``L`` that ran past ``g`` (how much further outputs
 that got this far went), clipped to ``[1, cap]``; ``cap`` when no recent output ran past ``g``.
 
-Invariant: ``1 <= expected_left(g, cap) <= cap`` for ``cap >= 1``; each estimate costs one
-binary search (the sorted lengths and their suffix sums are rebuilt after a record, on the next
-estimate).
+The chance that it is still running ``i`` tokens after its next one (``survival``): the share
+of the recent outputs that ran past ``g`` which ran to ``g + 1 + i`` or further; 1 when none ran
+past ``g``. A round prices its drafts with it: a summary two tokens from its end gets nothing
+from a draft of eight (rounds of a batch's last summaries were priced at 8-12 tokens and yielded
+2).
+
+Invariant: ``1 <= expected_left(g, cap) <= cap`` for ``cap >= 1``; ``survival`` is 1 at ``i = 0``
+and falls with ``i``; each estimate costs one binary search (the sorted lengths and their suffix
+sums are rebuilt after a record, on the next estimate).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
+
+import numpy as np
 
 KEPT = 256  # recent output lengths the estimate reads
 
@@ -28,6 +36,7 @@ class OutputLengths:
     def __init__(self, kept: int = KEPT) -> None:
         self.recent: deque[int] = deque(maxlen=kept)
         self._sorted: list[int] | None = None
+        self._array = np.zeros(0, dtype=np.int64)  # _sorted as an array
         self._suffix: list[int] = []  # _suffix[i]: the sum of _sorted[i:]
 
     def record(self, generated: int) -> None:
@@ -38,13 +47,27 @@ class OutputLengths:
     def expected_left(self, generated: int, cap: int) -> int:
         if not self.recent:
             return cap
-        if self._sorted is None:
-            self._sorted = sorted(self.recent)
-            self._suffix = [0] * (len(self._sorted) + 1)
-            for i in range(len(self._sorted) - 1, -1, -1):
-                self._suffix[i] = self._suffix[i + 1] + self._sorted[i]
+        self._sort()
         first = bisect.bisect_right(self._sorted, generated)  # the outputs that ran past it
         past = len(self._sorted) - first
         if past == 0:
             return cap
         return max(1, min(cap, round(self._suffix[first] / past - generated)))
+
+    def survival(self, generated: list[int], positions: int) -> np.ndarray:
+        """``[len(generated), positions + 1]``: column ``i`` is the chance that a sequence which
+        has generated ``generated[b]`` tokens generates ``i`` more after its next one."""
+        if not self.recent:
+            return np.ones((len(generated), positions + 1))
+        self._sort()
+        ran = np.asarray(generated)[:, None] + np.arange(1, positions + 2)  # [B, positions + 1]
+        reached = len(self._sorted) - np.searchsorted(self._array, ran)  # outputs of at least that
+        return np.where(reached[:, :1] > 0, reached / np.maximum(reached[:, :1], 1), 1.0)
+
+    def _sort(self) -> None:
+        if self._sorted is None:
+            self._sorted = sorted(self.recent)
+            self._array = np.asarray(self._sorted)
+            self._suffix = [0] * (len(self._sorted) + 1)
+            for i in range(len(self._sorted) - 1, -1, -1):
+                self._suffix[i] = self._suffix[i + 1] + self._sorted[i]

@@ -308,12 +308,34 @@ def test_a_draft_far_behind_drafts_only_where_its_catch_up_pays_over_the_rounds_
     controller, histories = trained()
     assert controller.choose(histories, limits, lengths) == [4, 4, 4]
     controller, histories = trained()
-    assert controller.choose(histories, limits, lengths, [(0, 300, 0), (3000, 2, 0), (3000, 300, 0)]) == [4, 0, 4]
+    behind = [0, 3000, 3000]
+    assert controller.choose(histories, limits, lengths, [(0, 300), (0, 2), (0, 300)], behind) == [4, 0, 4]
     # the long one has generated 23 tokens and recent outputs ended at 25: it is about to end too
+    # (and the caught-up one, also at 23, drafts 1: a second draft would be past the end)
     controller, histories = trained()
     for _ in range(10):
         controller.lengths.record(25)
-    assert controller.choose(histories, limits, lengths, [(0, 300, 23), (3000, 2, 0), (3000, 300, 23)]) == [4, 0, 0]
+    assert controller.choose(histories, limits, lengths, [(23, 300), (0, 2), (23, 300)], behind) == [1, 0, 0]
+
+
+def test_drafts_past_where_recent_outputs_ended_are_worth_nothing():
+    """A draft always right and rounds that pay up to the limit: a sequence that has generated 20
+    tokens, where recent outputs ended at 24, drafts 3 (its 4th draft would be a token past the
+    end); one that has generated 2 drafts the limit; with no output finished yet both do."""
+    controller = DraftLengthController(8)
+    histories = [controller.new_history() for _ in range(2)]
+    for _ in range(8):
+        for h in histories:
+            controller.observe_round(h, 8, 8, 8, False)
+        controller.observe_pass("draft", 2, 200, 0.0002)
+        controller.observe_pass("verify", 18, 200, 0.002)
+        controller.observe_pass("plain", 2, 200, 0.0019)
+    progress = [(2, 100), (20, 100)]
+    assert controller.choose(histories, [8, 8], [100, 100], progress) == [8, 8]
+    for _ in range(10):
+        controller.lengths.record(24)
+    controller._round_hold = None
+    assert controller.choose(histories, [8, 8], [100, 100], progress) == [8, 3]
 
 
 @settings(max_examples=200, deadline=None)
@@ -330,6 +352,24 @@ def test_expected_tokens_left_is_the_mean_run_past_of_the_recent_outputs(finishe
     past = [n - generated for n in finished[-kept:] if n > generated]
     expected = cap if not past else max(1, min(cap, round(sum(past) / len(past))))
     assert lengths.expected_left(generated, cap) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 60), max_size=40), st.lists(st.integers(0, 60), min_size=1, max_size=4),
+       st.integers(0, 12))
+def test_survival_is_the_share_of_recent_outputs_that_ran_that_far(finished, generated, positions):
+    """Against the definition, computed naively: of the recent outputs longer than ``g``, the
+    share at least ``g + 1 + i`` long; 1 when none is longer than ``g``."""
+    lengths = OutputLengths()
+    for n in finished:
+        lengths.record(n)
+    got = lengths.survival(generated, positions)
+    assert got.shape == (len(generated), positions + 1)
+    for row, g in zip(got, generated):
+        past = [n for n in finished if n > g]
+        for i, value in enumerate(row):
+            expected = sum(n >= g + 1 + i for n in past) / len(past) if past else 1.0
+            assert value == pytest.approx(expected)
 
 
 def test_linear_fit_recovers_a_linear_cost_and_clips_spikes():

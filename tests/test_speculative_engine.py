@@ -388,7 +388,7 @@ def test_a_draft_model_runs_only_for_the_sequences_that_draft(model_dirs, hf_ora
     eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
     turns = iter(range(1000))
 
-    def choose(histories, limits, lengths, behind):  # two steps for one sequence, two for the other
+    def choose(histories, limits, lengths, progress, behind):  # two steps for one, two for the other
         turn = next(turns) // 2 % 2
         return [min(2, limit) if i % 2 == turn else 0 for i, limit in enumerate(limits)]
 
@@ -422,9 +422,9 @@ def test_a_draft_model_tells_the_controller_how_far_behind_each_sequence_is(mode
     seen = []
     original = type(controller).choose
 
-    def choose(self, histories, limits, lengths, behind=None):
-        seen.append(behind)
-        return original(self, histories, limits, lengths, behind)
+    def choose(self, histories, limits, lengths, progress=None, behind=None):
+        seen.append(list(zip(behind, progress)))
+        return original(self, histories, limits, lengths, progress, behind)
 
     monkeypatch.setattr(type(controller), "choose", choose)
     passes = []
@@ -433,7 +433,7 @@ def test_a_draft_model_tells_the_controller_how_far_behind_each_sequence_is(mode
                                                                                observe(kind, rows, *rest)))
     [prompt] = prompts(82, [13])
     eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
-    assert seen[0] == [(len(prompt), 7, 1)]
+    assert seen[0] == [(len(prompt), (1, 7))]
     assert ("catch_up", len(prompt)) in passes  # the catch-up is timed over its rows, as its own kind
     assert eng.stats()["spec_rounds"] > 0 and any(b[0][0] == 0 for b in seen[1:])
     assert list(controller.lengths.recent) == [8]
