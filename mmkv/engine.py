@@ -431,6 +431,7 @@ class Engine:
             if reason is not None:
                 self._finish(seq, reason)
             touched[seq.request_id] = None
+        self.speculator.round_applied()
 
     def _add_image_inputs(self, step: StepContext, seqs: list[Sequence], q_lens: list[int],
                           kv_lens: list[int], starts: list[int]) -> None:

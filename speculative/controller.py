@@ -55,8 +55,10 @@ well). Plain decoding's cost comes from the same fit as verification's (``specul
 so the exploring rounds time it too and every round keeps it current.
 
 The margin. A round is taken only when it promises ``ROUND_MARGIN`` times plain decoding's
-goodput: what the model leaves out (the engine's work around a round, the fits' noise) costs a
-round a few per cent, so a round priced at break-even is a loss measured.
+goodput: what the model leaves out (the slots a round reserves, the rates' and fits' noise)
+costs a round a few per cent, so a round priced at break-even is a loss measured. (The engine's
+work on a round's verdicts is in the verification pass's time, as the same work is in a plain
+step's.)
 
 Holding. Planning costs about 0.3 ms inside the engine (tens of small array operations, run
 with the caches full of the model's weights): a quarter of a batch-1 step of the bundled model,

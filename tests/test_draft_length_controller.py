@@ -77,6 +77,7 @@ def decode(spec: ScriptedPair, seqs: list[Sequence], steps: int, plain_cost) -> 
         if any(gammas):
             for seq, verdict in zip(seqs, spec.round(seqs, gammas, [set()] * len(seqs))):
                 seq.token_ids += verdict.tokens
+            spec.round_applied()
         else:
             start = spec.started()
             spec.clock.now += plain_cost(len(seqs))
@@ -468,6 +469,24 @@ def test_a_pass_in_which_a_kernel_was_built_is_not_timed(monkeypatch):
     spec.clock.now += 0.015
     spec.observe("plain", 4, 40, start)
     assert spec.controller.costs.count("plain") == 1
+
+
+def test_a_verification_is_timed_through_the_work_on_its_verdicts():
+    """The caller's work on a round's verdicts (appending tokens, truncating tables, finishing
+    sequences) is part of the round's cost, as the same work is of a plain step's: the
+    verification pass is told to the controller once the caller has applied the verdicts, with
+    the time up to then."""
+    spec = ScriptedPair(lambda seq, pos: True, draft_ms, verify_ms)
+    seen = []
+    spec.controller.observe_pass = lambda kind, rows, context, seconds, sequences=None: seen.append(
+        (kind, rows, seconds))
+    spec.round(sequences(1), [2], [set()])
+    assert [kind for kind, _, _ in seen] == ["first_draft", "draft", "draft"]
+    spec.clock.now += 4.0  # the caller applies the verdicts
+    spec.round_applied()
+    assert seen[-1] == ("verify", 3, pytest.approx(verify_ms(3) + 4.0))
+    spec.round_applied()  # nothing more to time
+    assert len(seen) == 4
 
 
 def test_bad_draft_length_mode_is_refused_by_name():

@@ -435,5 +435,6 @@ def test_a_draft_model_tells_the_controller_how_far_behind_each_sequence_is(mode
     eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
     assert seen[0] == [(len(prompt), (1, 7))]
     assert ("catch_up", len(prompt)) in passes  # the catch-up is timed over its rows, as its own kind
+    assert any(kind == "verify" for kind, _ in passes)  # timed once the engine applied the verdicts
     assert eng.stats()["spec_rounds"] > 0 and any(b[0][0] == 0 for b in seen[1:])
     assert list(controller.lengths.recent) == [8]
