@@ -485,7 +485,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
-        if self.speculator is not None:
+        if self.speculator is not None and reason == "stop":  # not one cut short at its limit
             self.speculator.finished(seq.num_generated)
         self.scheduler.finish(seq)
 

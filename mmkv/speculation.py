@@ -114,8 +114,9 @@ class Speculator(ABC):
                                       self._behind(seqs))
 
     def finished(self, generated: int) -> None:
-        """A sequence finished after generating ``generated`` tokens (the controller's estimate
-        of what running sequences will still generate learns from it)."""
+        """A sequence ended by itself (a stop token or string) after generating ``generated``
+        tokens: the controller's estimate of where running sequences end learns from it (one
+        cut short at its token limit says only that it ran that far, and the limit is known)."""
         self.controller.lengths.record(generated)
 
     def _behind(self, seqs: list[Sequence]) -> list[int] | None:

@@ -414,8 +414,8 @@ def test_a_draft_model_tells_the_controller_how_far_behind_each_sequence_is(mode
     """A prompt prefilled without the draft: the controller's first choice sees the whole prompt
     still to fill in, the tokens left to generate at most and the tokens generated, the catch-up
     pass is timed for it like any draft pass, and once a round has caught the draft up, nothing
-    is behind. The finished output's length is recorded for the controller's estimate of what
-    running sequences will still generate."""
+    is behind. The length of an output that ended on a stop token is recorded for the
+    controller's estimate of where running sequences end; one cut short at its limit is not."""
     eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
     controller = eng.speculator.controller
     monkeypatch.setattr(type(controller), "drafting_lately", lambda self: False)
@@ -432,9 +432,11 @@ def test_a_draft_model_tells_the_controller_how_far_behind_each_sequence_is(mode
     monkeypatch.setattr(controller, "observe_pass", lambda kind, rows, *rest: (passes.append((kind, rows)),
                                                                                observe(kind, rows, *rest)))
     [prompt] = prompts(82, [13])
-    eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    [out] = eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
     assert seen[0] == [(len(prompt), (1, 7))]
     assert ("catch_up", len(prompt)) in passes  # the catch-up is timed over its rows, as its own kind
     assert any(kind == "verify" for kind, _ in passes)  # timed once the engine applied the verdicts
     assert eng.stats()["spec_rounds"] > 0 and any(b[0][0] == 0 for b in seen[1:])
-    assert list(controller.lengths.recent) == [8]
+    assert not controller.lengths.recent  # cut short at its limit: not where an output ends
+    eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[out.token_ids[2]]))
+    assert list(controller.lengths.recent) == [out.token_ids.index(out.token_ids[2]) + 1]
