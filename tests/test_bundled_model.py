@@ -1,5 +1,6 @@
 """The committed model answers held-out questions; the training script runs end to end."""
 
+import json
 import os
 import subprocess
 import sys
@@ -49,6 +50,15 @@ def test_training_script_smoke(tmp_path):
     out = engine.ask(tmp_path / "loss.png", ["what is it?"],
                      SamplingParams(max_tokens=3))[0]
     assert len(out.token_ids) >= 1
+    draft = Engine(tmp_path / "tiny-draft", kv_cache_memory="32MiB", host_kv_memory="4MiB")
+    assert len(draft.generate("hello", SamplingParams(max_tokens=2))[0].token_ids) >= 1
+    vlm_weights = (tmp_path / "tiny-vlm" / "model.safetensors").read_bytes()
+    subprocess.run([sys.executable, str(ROOT / "examples" / "train_tiny.py"), "--out",
+                    str(tmp_path), "--smoke", "--draft-only", "--draft-steps", "3"], check=True,
+                   capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (tmp_path / "tiny-vlm" / "model.safetensors").read_bytes() == vlm_weights  # untouched
+    assert json.loads((tmp_path / "training.json").read_text())["draft"]["retrained_alone"]
+    assert (tmp_path / "draft_loss.png").stat().st_size > 0
     draft = Engine(tmp_path / "tiny-draft", kv_cache_memory="32MiB", host_kv_memory="4MiB")
     assert len(draft.generate("hello", SamplingParams(max_tokens=2))[0].token_ids) >= 1
 
