@@ -71,6 +71,7 @@ class AcceptanceModel:
 
     positions: int
     version: int = 0  # counts observations: rates derived at an older version are stale
+    reached: int = 0  # the deepest position any round has tried
     proposed: DecayedRate = field(init=False)
     accepted: DecayedRate = field(init=False)
 
@@ -92,6 +93,7 @@ class AcceptanceModel:
         self.version += 1
         went_on = [True] * proposed + ([False] if confidence_stop else [])
         kept = [True] * accepted + ([False] if accepted < proposed else [])
+        self.reached = max(self.reached, len(went_on))
         for mine, everyone, outcomes in ((history.proposed, self.proposed, went_on),
                                          (history.accepted, self.accepted, kept)):
             mine.observe(outcomes, SEQUENCE_DECAY)

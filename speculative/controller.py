@@ -48,7 +48,12 @@ draft model whether to follow prompts at prefill or leave them to catch-up.
 
 Before it has timed ``EXPLORE`` verification passes the controller explores: it drafts up to
 ``EXPLORE_LENGTH`` tokens a sequence (a position not yet tried is expected to go as the deepest
-one tried, so longer drafts are tried where acceptance is high). With ``explore_sequences`` set
+one tried, so longer drafts are tried where acceptance is high). A priced round drafts at most
+``FRONTIER_GROWTH`` times as deep as any round has reached (``AcceptanceModel.reached``): depths
+no round has seen are tried in doublings, not at once. (After the bench's warm-up request had
+run one round of 2 drafts, every deeper position read as sure, and the first priced round at
+batch 8 drafted 24 for every sequence, priced at 25 tokens each; it yielded 2 to 17.) With
+``explore_sequences`` set
 it explores with that many sequences only (a draft model must first fill in the K/V of every
 sequence it drafts for; a few sequences teach the engine-wide rates and the pass costs just as
 well). Plain decoding's cost comes from the same fit as verification's (``speculative.costs``),
@@ -69,9 +74,13 @@ its first plain decision, doubling with every one that follows up to ``HOLD_MAX`
 in a class starts that class's span again at 1 (rounds pay there now, so a return to plain
 decoding is checked soon), and leaves the other classes' alone (the rounds a batch's last few
 sequences run as it drains do not cost the next full batch its long hold). A batch in a smaller
-class ends the hold and is priced at once. Nothing a plain step teaches the controller but plain
-decoding's cost changes while it holds, so a workload that starts to pay (a change of prompts at
-the same batch size) waits at most ``HOLD_MAX`` steps for its first round. A priced round's
+class ends the hold and is priced at once, and so does a batch that a sequence has joined since
+(every token of a new sequence lies ahead, where the decision may have been made for sequences
+near their ends: a batch's last summaries, a few tokens from theirs, chose plain decoding, and
+the next batch's fresh ones inherited it for up to 64 steps of rounds that paid). Nothing a plain
+step teaches the controller but plain decoding's cost changes while it holds, so a workload
+that starts to pay at the same batch size and the same sequences waits at most ``HOLD_MAX``
+steps for its first round. A priced round's
 lengths are held the same way while the batch is the same sequences (each clipped to its limit):
 1 round, then 2, up to ``ROUND_HOLD_MAX`` while pricing keeps choosing the same sequences to
 draft, 1 again when it chooses others (a re-check that lets a sequence whose drafts were rejected
@@ -99,6 +108,7 @@ from speculative.lengths import OutputLengths
 
 EXPLORE = 2
 EXPLORE_LENGTH = 2  # the most an exploring round drafts
+FRONTIER_GROWTH = 2  # a priced round drafts at most this x as deep as any round has reached
 ROUND_MARGIN = 1.1  # a round must promise this x plain decoding's goodput
 HOLD_MAX = 64  # the most steps a priced plain decision is held
 ROUND_HOLD_MAX = 4  # the most rounds a priced round's lengths are held
@@ -146,7 +156,7 @@ class DraftLengthController:
         ``behind``: for each, the positions a draft model must fill in before it can draft."""
         if self.fixed:
             caps = list(limits)
-        elif self._holding(len(limits)):
+        elif self._holding(histories):
             caps = [0] * len(limits)
         elif (held := self._held_round(histories, limits)) is not None:
             caps = held
@@ -162,10 +172,11 @@ class DraftLengthController:
         self.rounds_share += ROUNDS_SMOOTHING * (bool(any(caps)) - self.rounds_share)
         return caps
 
-    def _holding(self, batch: int) -> bool:
+    def _holding(self, histories: list[DraftHistory]) -> bool:
         """Whether this step keeps a held plain decision (and counts it off)."""
         hold = self._hold
-        if hold is None or batch.bit_length() < hold[0] or hold[1] == 0:
+        if (hold is None or len(histories).bit_length() < hold[0] or hold[1] == 0
+                or any(h.decisions == 0 for h in histories)):  # a sequence joined
             return False
         self._hold = (hold[0], hold[1] - 1)
         return True
@@ -235,6 +246,8 @@ class DraftLengthController:
                 room -= caps[-1] > 0
             return caps
         self.planned += 1
+        frontier = FRONTIER_GROWTH * max(EXPLORE_LENGTH, self.acceptance.reached)
+        limits = [min(limit, frontier) for limit in limits]
         costs, batch, context = self.costs, len(limits), sum(lengths)
         plain = batch / costs.predict("plain", batch, context)
         proposes, accepted, accepts = self._curves(histories, limits)

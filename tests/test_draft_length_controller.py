@@ -221,6 +221,22 @@ def test_plain_decisions_are_held_for_doubling_spans_per_batch_size_class():
     assert controller.planned == 9
 
 
+def test_a_sequence_joining_the_batch_ends_a_plain_hold():
+    """A plain decision made for some sequences is not held over a batch that a sequence has
+    joined since (every token of the new one lies ahead): that step is priced; the next ones,
+    with no one new, are held again."""
+    controller = priced(0.00226)
+    h = controller.history
+    for _ in range(6):
+        controller.choose([h, h], [1, 1], [10, 10])
+    assert controller.planned == 3  # held 1 and 2 steps, then priced: a span of 4 left
+    joined = controller.new_history()
+    assert controller.choose([h, joined], [1, 1], [10, 10]) == [0, 0]
+    assert controller.planned == 4
+    controller.choose([h, joined], [1, 1], [10, 10])
+    assert controller.planned == 4
+
+
 def test_the_rounds_of_a_draining_batch_leave_the_full_batchs_hold_alone():
     """Batch 32 decodes plainly (rows cost too much) and, drained to one sequence, drafts (the
     pass's fixed cost dominates). Back at 32, the batch is priced once and then held for
@@ -469,6 +485,26 @@ def test_a_pass_in_which_a_kernel_was_built_is_not_timed(monkeypatch):
     spec.clock.now += 0.015
     spec.observe("plain", 4, 40, start)
     assert spec.controller.costs.count("plain") == 1
+
+
+def test_depths_no_round_has_reached_are_tried_in_doublings():
+    """A draft always right and rounds that pay up to the limit of 24: after rounds of 2 drafts
+    a priced round drafts 4, after one of 4 it drafts 8 (every untried position reads as sure,
+    and a round of 24 for a whole batch is a costly way to find out it is not)."""
+    controller = DraftLengthController(24)
+    histories = [controller.new_history() for _ in range(4)]
+    for _ in range(EXPLORE + 2):
+        for h in histories:
+            controller.observe_round(h, EXPLORE_LENGTH, EXPLORE_LENGTH, EXPLORE_LENGTH, False)
+        controller.observe_pass("draft", 4, 400, 0.0002)
+        controller.observe_pass("verify", 12, 400, 0.002)
+        controller.observe_pass("plain", 4, 400, 0.0019)
+    lengths = [100] * 4
+    assert controller.choose(histories, [24] * 4, lengths) == [2 * EXPLORE_LENGTH] * 4
+    for h in histories:
+        controller.observe_round(h, 4, 4, 4, False)
+    controller._round_hold = None
+    assert controller.choose(histories, [24] * 4, lengths) == [8] * 4
 
 
 def test_a_verification_is_timed_through_the_work_on_its_verdicts():
