@@ -9,16 +9,20 @@ batch's last sequences were paid for a token or two each.
 
 The estimate for a sequence that has generated ``g`` tokens, with at most ``cap`` more: the mean
 of ``L - g`` over the recent outputs' lengths ``L`` that ran past ``g`` (how much further outputs
-that got this far went), clipped to ``[1, cap]``; ``cap`` when no recent output ran past ``g``.
+that got this far went) and one more output that ends after the sequence's next token, clipped
+to ``[1, cap]``. The chance that it is still running ``i >= 1`` tokens after its next one
+(``survival``): of those same outputs, the share that ran to ``g + 1 + i`` or further. A round
+prices its drafts with it: a summary two tokens from its end gets nothing from a draft of eight
+(rounds of a batch's last summaries were priced at 8-12 tokens and yielded 2).
 
-The chance that it is still running ``i`` tokens after its next one (``survival``): the share
-of the recent outputs that ran past ``g`` which ran to ``g + 1 + i`` or further; 1 when none ran
-past ``g``. A round prices its drafts with it: a summary two tokens from its end gets nothing
-from a draft of eight (rounds of a batch's last summaries were priced at 8-12 tokens and yielded
-2).
+The extra output is the sequence's own chance of ending now. Without it a sequence that has run
+past every recent output's end (the longest of a batch) was expected to run to its limit: the
+last two summaries of each batch drafted behind a catch-up over their whole reports, priced at 5
+tokens each, and ended at once. With nothing recorded (a fresh engine) the estimates are ``cap``
+and 1.
 
-Invariant: ``1 <= expected_left(g, cap) <= cap`` for ``cap >= 1``; ``survival`` is 1 at ``i = 0``
-and falls with ``i``; each estimate costs one binary search (the sorted lengths and their suffix
+Invariant: ``1 <= expected_left(g, cap) <= cap`` for ``cap >= 1``; ``survival`` is 1 at ``i = 0``,
+below 1 after, and falls with ``i``; each estimate costs one binary search (the sorted lengths and their suffix
 sums are rebuilt after a record, on the next estimate).
 """
 
@@ -50,9 +54,8 @@ class OutputLengths:
         self._sort()
         first = bisect.bisect_right(self._sorted, generated)  # the outputs that ran past it
         past = len(self._sorted) - first
-        if past == 0:
-            return cap
-        return max(1, min(cap, round(self._suffix[first] / past - generated)))
+        overrun = self._suffix[first] - past * generated + 1  # and one output ending next token
+        return max(1, min(cap, round(overrun / (past + 1))))
 
     def survival(self, generated: list[int], positions: int) -> np.ndarray:
         """``[len(generated), positions + 1]``: column ``i`` is the chance that a sequence which
@@ -62,7 +65,9 @@ class OutputLengths:
         self._sort()
         ran = np.asarray(generated)[:, None] + np.arange(1, positions + 2)  # [B, positions + 1]
         reached = len(self._sorted) - np.searchsorted(self._array, ran)  # outputs of at least that
-        return np.where(reached[:, :1] > 0, reached / np.maximum(reached[:, :1], 1), 1.0)
+        running = reached / (reached[:, :1] + 1.0)  # and one output that ends after the next token
+        running[:, 0] = 1.0
+        return running
 
     def _sort(self) -> None:
         if self._sorted is None:

@@ -360,14 +360,15 @@ def test_drafts_past_where_recent_outputs_ended_are_worth_nothing():
        st.integers(1, 8))
 def test_expected_tokens_left_is_the_mean_run_past_of_the_recent_outputs(finished, generated, cap, kept):
     """Against the definition, computed naively: the recent ``kept`` lengths that ran past
-    ``generated``, their mean overrun clipped to ``[1, cap]``; ``cap`` when none ran past."""
+    ``generated`` and one more that ends a token after it, their mean overrun clipped to
+    ``[1, cap]``; ``cap`` when nothing was recorded."""
     lengths = OutputLengths(kept)
     for i, n in enumerate(finished):
         lengths.record(n)
         if i % 3 == 0:  # estimates between records see every record so far
             lengths.expected_left(generated, cap)
-    past = [n - generated for n in finished[-kept:] if n > generated]
-    expected = cap if not past else max(1, min(cap, round(sum(past) / len(past))))
+    past = [n - generated for n in finished[-kept:] if n > generated] + [1]
+    expected = cap if not finished else max(1, min(cap, round(sum(past) / len(past))))
     assert lengths.expected_left(generated, cap) == expected
 
 
@@ -375,17 +376,18 @@ def test_expected_tokens_left_is_the_mean_run_past_of_the_recent_outputs(finishe
 @given(st.lists(st.integers(1, 60), max_size=40), st.lists(st.integers(0, 60), min_size=1, max_size=4),
        st.integers(0, 12))
 def test_survival_is_the_share_of_recent_outputs_that_ran_that_far(finished, generated, positions):
-    """Against the definition, computed naively: of the recent outputs longer than ``g``, the
-    share at least ``g + 1 + i`` long; 1 when none is longer than ``g``."""
+    """Against the definition, computed naively: of the recent outputs longer than ``g`` and one
+    more that is ``g + 1`` long, the share at least ``g + 1 + i`` long; 1 when nothing was
+    recorded."""
     lengths = OutputLengths()
     for n in finished:
         lengths.record(n)
     got = lengths.survival(generated, positions)
     assert got.shape == (len(generated), positions + 1)
     for row, g in zip(got, generated):
-        past = [n for n in finished if n > g]
+        past = [n for n in finished if n > g] + [g + 1]
         for i, value in enumerate(row):
-            expected = sum(n >= g + 1 + i for n in past) / len(past) if past else 1.0
+            expected = sum(n >= g + 1 + i for n in past) / len(past) if finished else 1.0
             assert value == pytest.approx(expected)
 
 
