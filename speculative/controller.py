@@ -48,12 +48,15 @@ draft model whether to follow prompts at prefill or leave them to catch-up.
 
 Before it has timed ``EXPLORE`` verification passes the controller explores: it drafts up to
 ``EXPLORE_LENGTH`` tokens a sequence (a position not yet tried is expected to go as the deepest
-one tried, so longer drafts are tried where acceptance is high). A priced round drafts at most
-``FRONTIER_GROWTH`` times as deep as any round has reached (``AcceptanceModel.reached``): depths
-no round has seen are tried in doublings, not at once. (After the bench's warm-up request had
-run one round of 2 drafts, every deeper position read as sure, and the first priced round at
-batch 8 drafted 24 for every sequence, priced at 25 tokens each; it yielded 2 to 17.) With
-``explore_sequences`` set
+one tried, so longer drafts are tried where acceptance is high). A sequence that a draft model
+must first catch up drafts at most ``FRONTIER_GROWTH`` times as deep as any round has reached
+(``AcceptanceModel.reached``): its catch-up is paid for by the positions it is to draft, and
+depths no round has seen are no evidence. (After the bench's warm-up request had run one round
+of 2 drafts, every deeper position read as sure, and the first priced round at batch 8 caught
+up four reports to draft 24 for every sequence, priced at 25 tokens each; it yielded 2 to 17.)
+An over-long cap costs little otherwise: a round's draft passes stop where its drafts do, and
+capping early exit's first rounds the same way cost the batch-8 scenes a tenth of their
+speedup. With ``explore_sequences`` set
 it explores with that many sequences only (a draft model must first fill in the K/V of every
 sequence it drafts for; a few sequences teach the engine-wide rates and the pass costs just as
 well). Plain decoding's cost comes from the same fit as verification's (``speculative.costs``),
@@ -108,7 +111,7 @@ from speculative.lengths import OutputLengths
 
 EXPLORE = 2
 EXPLORE_LENGTH = 2  # the most an exploring round drafts
-FRONTIER_GROWTH = 2  # a priced round drafts at most this x as deep as any round has reached
+FRONTIER_GROWTH = 3  # a sequence caught up drafts at most this x as deep as any round has reached
 ROUND_MARGIN = 1.1  # a round must promise this x plain decoding's goodput
 HOLD_MAX = 64  # the most steps a priced plain decision is held
 ROUND_HOLD_MAX = 4  # the most rounds a priced round's lengths are held
@@ -246,8 +249,9 @@ class DraftLengthController:
                 room -= caps[-1] > 0
             return caps
         self.planned += 1
-        frontier = FRONTIER_GROWTH * max(EXPLORE_LENGTH, self.acceptance.reached)
-        limits = [min(limit, frontier) for limit in limits]
+        if behind is not None and any(behind):
+            frontier = FRONTIER_GROWTH * max(EXPLORE_LENGTH, self.acceptance.reached)
+            limits = [min(limit, frontier) if debt else limit for limit, debt in zip(limits, behind)]
         costs, batch, context = self.costs, len(limits), sum(lengths)
         plain = batch / costs.predict("plain", batch, context)
         proposes, accepted, accepts = self._curves(histories, limits)

@@ -489,10 +489,11 @@ def test_a_pass_in_which_a_kernel_was_built_is_not_timed(monkeypatch):
     assert spec.controller.costs.count("plain") == 1
 
 
-def test_depths_no_round_has_reached_are_tried_in_doublings():
+def test_a_sequence_to_catch_up_drafts_at_most_three_times_as_deep_as_any_round_reached():
     """A draft always right and rounds that pay up to the limit of 24: after rounds of 2 drafts
-    a priced round drafts 4, after one of 4 it drafts 8 (every untried position reads as sure,
-    and a round of 24 for a whole batch is a costly way to find out it is not)."""
+    a sequence the draft model must first catch up drafts 6 (every untried position reads as
+    sure, and a catch-up is paid for by the positions drafted), after a round of 6 it drafts 18;
+    a sequence with nothing to catch up drafts 24 from the start."""
     controller = DraftLengthController(24)
     histories = [controller.new_history() for _ in range(4)]
     for _ in range(EXPLORE + 2):
@@ -501,12 +502,15 @@ def test_depths_no_round_has_reached_are_tried_in_doublings():
         controller.observe_pass("draft", 4, 400, 0.0002)
         controller.observe_pass("verify", 12, 400, 0.002)
         controller.observe_pass("plain", 4, 400, 0.0019)
-    lengths = [100] * 4
-    assert controller.choose(histories, [24] * 4, lengths) == [2 * EXPLORE_LENGTH] * 4
-    for h in histories:
-        controller.observe_round(h, 4, 4, 4, False)
+        controller.observe_pass("catch_up", 40, 4000, 0.0004, 4)
+    lengths, progress = [100] * 4, [(0, 100)] * 4
+    assert controller.choose(histories, [24] * 4, lengths, progress, [10] * 4) == [6] * 4
     controller._round_hold = None
-    assert controller.choose(histories, [24] * 4, lengths) == [8] * 4
+    assert controller.choose(histories, [24] * 4, lengths, progress, [0] * 4) == [24] * 4
+    for h in histories:
+        controller.observe_round(h, 6, 6, 6, False)
+    controller._round_hold = None
+    assert controller.choose(histories, [24] * 4, lengths, progress, [10] * 4) == [18] * 4
 
 
 def test_a_verification_is_timed_through_the_work_on_its_verdicts():
