@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 SEQUENCE_DECAY = 0.9  # per round of the sequence
 ENGINE_DECAY = 0.98  # per sequence-round observed engine-wide
 SHRINK = 0.5  # trials' weight of the engine-wide rate in a sequence's rate
@@ -62,7 +64,6 @@ class DraftHistory:
     accepted: DecayedRate
     decisions: int = 0  # steps the controller chose a draft length for it
     drafted: int = 0  # draft tokens proposed over those steps
-    derived: tuple | None = None  # (model version, limit, what the controller derived from the rates)
 
 
 @dataclass(slots=True)
@@ -74,6 +75,7 @@ class AcceptanceModel:
     reached: int = 0  # the deepest position any round has tried
     proposed: DecayedRate = field(init=False)
     accepted: DecayedRate = field(init=False)
+    _engine: tuple | None = field(init=False, default=None)  # (version, engine_rates() as arrays)
 
     def __post_init__(self) -> None:
         self.proposed = DecayedRate.empty(self.positions)
@@ -111,10 +113,18 @@ class AcceptanceModel:
             rates.append(chain)
         return rates[0], rates[1]
 
-    @staticmethod
-    def rates(history: DraftHistory, limit: int,
-              everyone: tuple[list[float], list[float]]) -> tuple[list[float], list[float]]:
-        """The sequence's ``proposed`` and ``accepted`` rates at positions ``1..limit``, shrunk
-        toward ``everyone`` (``engine_rates()``)."""
-        return tuple([mine.rate(j, prior[j], SHRINK) for j in range(limit)]
-                     for mine, prior in ((history.proposed, everyone[0]), (history.accepted, everyone[1])))
+    def rates(self, histories: list[DraftHistory], limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sequences' ``proposed`` and ``accepted`` rates at positions ``1..limit`` as rows
+        of two ``[len(histories), limit]`` arrays, each shrunk toward the engine-wide rate
+        (``engine_rates()``; a sequence with no round of its own has the engine's). One pass
+        over all sequences: computed per sequence and position, re-deriving a batch's rates
+        after every round was three quarters of a batch-32 plan."""
+        if self._engine is None or self._engine[0] != self.version:
+            self._engine = (self.version, *(np.asarray(r) for r in self.engine_rates()))
+        out = []
+        for which, everyone in ((0, self._engine[1]), (1, self._engine[2])):
+            counts = [(h.proposed, h.accepted)[which] for h in histories]
+            hits = np.array([c.hits[:limit] for c in counts], dtype=np.float64).reshape(-1, limit)
+            trials = np.array([c.trials[:limit] for c in counts], dtype=np.float64).reshape(-1, limit)
+            out.append((hits + SHRINK * everyone[:limit]) / (trials + SHRINK))
+        return out[0], out[1]

@@ -292,27 +292,15 @@ class DraftLengthController:
         return caps
 
     def _curves(self, histories: list[DraftHistory], limits: list[int]) -> tuple[np.ndarray, ...]:
-        """Every sequence's cumulative products (``_curves``) as rows of ``[B, max limit]``
+        """Every sequence's cumulative products of its rates as rows of ``[B, max limit]``
         arrays: it proposes a ``j``-th draft; its first ``j`` proposals are all accepted; both.
-        Past a sequence's limit the rows hold 0, 0 and -1 (below any threshold). Each
-        sequence's are kept on its history until a round is observed (a plain step changes no
-        rate); a sequence that has not drafted yet has the engine-wide ones, derived once."""
-        model, everyone = self.acceptance, None
-        out = np.zeros((3, len(limits), max(limits)))
-        out[1] = -1.0
-        untried: dict[int, np.ndarray] = {}  # limit -> the engine-wide curves
-        for row, (history, limit) in enumerate(zip(histories, limits)):
-            if history.derived is None or history.derived[:2] != (model.version, limit):
-                everyone = everyone or model.engine_rates()
-                if history.proposed.trials[0]:
-                    curves = _curves(*model.rates(history, limit, everyone))
-                else:  # no round of its own yet: its rates are the engine's
-                    curves = untried.get(limit)
-                    if curves is None:
-                        curves = untried[limit] = _curves(everyone[0][:limit], everyone[1][:limit])
-                history.derived = (model.version, limit, curves)
-            out[:, row, :limit] = history.derived[2]
-        return out[0], out[1], out[2]
+        Past a sequence's limit the rows hold 0, 0 and -1 (below any threshold)."""
+        proposed, accepted = self.acceptance.rates(histories, max(limits))
+        d, a = np.cumprod(proposed, axis=1), np.cumprod(accepted, axis=1)
+        past = np.arange(d.shape[1]) >= np.asarray(limits)[:, None]
+        d[past] = 0.0
+        a[past] = -1.0
+        return d, a, np.where(past, 0.0, d * a)
 
     def _best_round(self, proposes: np.ndarray, accepts: np.ndarray, horizons: np.ndarray,
                     lengths: np.ndarray, catch_up: float = 0.0,
@@ -352,11 +340,3 @@ def _variable(costs: PassCosts, kind: str, rows, context, sequences) -> np.ndarr
 def _predict(costs: PassCosts, kind: str, rows: np.ndarray, context: np.ndarray, sequences) -> np.ndarray:
     """``PassCosts.predict`` over arrays."""
     return np.maximum(costs.intercept(kind) + _variable(costs, kind, rows, context, sequences), 1e-7)
-
-
-def _curves(proposed: list[float], accepted: list[float]) -> np.ndarray:
-    """Cumulative products ``[3, limit]``: it proposes a j-th draft; the first j proposals are all
-    accepted; both."""
-    d = np.cumprod(proposed)
-    a = np.cumprod(accepted)
-    return np.stack([d, a, d * a])

@@ -26,5 +26,6 @@ def test_positions_no_round_reached_go_as_the_deepest_one_reached():
     assert 0.4 < proposed[1] < 0.6 and 0.4 < accepted[1] < 0.65
     assert proposed[2:] == pytest.approx([proposed[1]] * 6)
     assert accepted[2:] == pytest.approx([accepted[1]] * 6)
-    mine_proposed, _ = model.rates(history, 8, (proposed, accepted))
-    assert mine_proposed[7] == pytest.approx(proposed[1])  # a sequence's untried position: the engine's
+    mine, _ = model.rates([history, model.new_history()], 8)
+    assert mine[0, 7] == pytest.approx(proposed[1])  # a sequence's untried position: the engine's
+    assert list(mine[1]) == pytest.approx(proposed)  # a sequence with no round: the engine's rates
