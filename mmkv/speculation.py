@@ -15,9 +15,9 @@ continues from):
    the radix tree.
 
 Every draft pass, verification pass and plain decoding pass is timed and told to the controller
-with its rows, sequences and context (a verification pass up to the end of the engine's work on
-its verdicts, as a plain pass is timed through the same work: about 0.5 ms of a 7 ms batch-8
-round, left out before) (except a pass in which a packed layer built a kernel: it took
+with its rows, sequences and context, a verification pass up to the end of the engine's work on
+its verdicts, as a plain pass is timed through the same work (about 0.5 ms of a 7 ms batch-8
+round, left out before); except a pass in which a packed layer built a kernel (it took
 far longer than the next of its shape will), and every round's proposals and acceptances.
 
 Two drafts:

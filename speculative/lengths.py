@@ -21,9 +21,10 @@ last two summaries of each batch drafted behind a catch-up over their whole repo
 tokens each, and ended at once. With nothing recorded (a fresh engine) the estimates are ``cap``
 and 1.
 
-Invariant: ``1 <= expected_left(g, cap) <= cap`` for ``cap >= 1``; ``survival`` is 1 at ``i = 0``,
-below 1 after, and falls with ``i``; each estimate costs one binary search (the sorted lengths and their suffix
-sums are rebuilt after a record, on the next estimate).
+Invariant: ``1 <= expected_left(g, cap) <= cap`` for ``cap >= 1``; ``survival`` is 1 at ``i = 0``
+and falls with ``i``, below 1 after ``i = 0`` once an output is recorded; each estimate costs one
+binary search (the sorted lengths and their suffix sums are rebuilt after a record, on the next
+estimate).
 """
 
 from __future__ import annotations
