@@ -299,8 +299,9 @@ class DraftLengthController:
         d, a = np.cumprod(proposed, axis=1), np.cumprod(accepted, axis=1)
         past = np.arange(d.shape[1]) >= np.asarray(limits)[:, None]
         d[past] = 0.0
+        both = d * a
         a[past] = -1.0
-        return d, a, np.where(past, 0.0, d * a)
+        return d, a, both
 
     def _best_round(self, proposes: np.ndarray, accepts: np.ndarray, horizons: np.ndarray,
                     lengths: np.ndarray, catch_up: float = 0.0,
