@@ -20,6 +20,12 @@ its verdicts, as a plain pass is timed through the same work (about 0.5 ms of a 
 round, left out before); except a pass in which a packed layer built a kernel (it took
 far longer than the next of its shape will), and every round's proposals and acceptances.
 
+``Speculator.proposals``, when set, replaces the draft's tokens with given ones while every pass
+still runs: ``bench spec --ceiling`` has it propose the target's own greedy tokens, so every
+draft is accepted and the speedup measured is the most any choice of draft lengths could give
+with this draft's pass costs (greedy sequences only: verifying a sampled sequence needs tokens
+drawn from the draft's distribution).
+
 Two drafts:
 
 * **Early exit** (``EarlyExitSpeculator``): the target's first ``k`` layers and its shared final norm
@@ -87,6 +93,8 @@ class Speculator(ABC):
         self.controller = DraftLengthController(config.num_tokens, config.draft_length == "fixed", clock,
                                                 self.explore_sequences)
         self._previous: tuple[tuple[int, ...], StepContext] | None = None  # the last draft pass
+        # A measurement's stand-in for the draft's tokens: (sequence, pass) -> the token to propose
+        self.proposals: Callable[[Sequence, int], int] | None = None
         self._verification: tuple[int, int, tuple[float, int], int] | None = None  # to time
 
     def follow(self, input_ids: torch.Tensor, step: StepContext, seqs: list[Sequence],
@@ -167,6 +175,9 @@ class Speculator(ABC):
             logits = self._draft_pass([seqs[b] for b in live], [inputs[b] for b in live],
                                       [lens[b] + i for b in live], drafting, live)
             drafted = _draft([seqs[live[r]] for r in drafting], logits, threshold is not None)
+            if self.proposals is not None:  # the pass ran and is paid for; its tokens are replaced
+                drafted = [(self.proposals(seqs[live[r]], i), probs, 1.0)
+                           for r, (_, probs, _) in zip(drafting, drafted)]
             for r, (token, probs, confidence) in zip(drafting, drafted):
                 b = live[r]
                 if threshold is not None and confidence < threshold:

@@ -11,6 +11,7 @@ import pytest
 
 from mmkv.bench import __main__ as bench_main
 from mmkv.bench import llama_cpp_peer, spec_bench
+from speculative import SpeculativeConfig
 
 ROOT = Path(__file__).parent.parent
 
@@ -86,11 +87,13 @@ def test_image_qa_bench_on_qwen2_5_vl_computes_each_image_once():
 def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     result = bench("spec", "--requests", "2", "--batch1-requests", "1", "--batches", "1,2",
                    "--chart", str(tmp_path / "speedup.png"), "--adaptive-threshold", "0.4",
-                   "--repeats", "1")
+                   "--repeats", "1", "--ceiling")
     assert result["outputs_equal"] is True
     cells = [f"{name}_{load}_b{b}" for name in ("early_exit", "draft")
              for load in ("scenes", "summaries") for b in (1, 2)]
     assert result["min_speedup"] == min(result[f"speedup_{cell}"] for cell in cells) > 0
+    assert all(result[f"ceiling_{cell}"] > 0 for cell in cells)
+    assert all(result[f"ceiling_{name}_b{b}"] > 0 for name in ("early_exit", "draft") for b in (1, 2))
     for name in ("early_exit", "draft"):
         assert result[f"mean_tokens_per_round_{name}_b1"] >= 1
         assert result[f"peak_blocks_{name}_b2"] >= result["peak_blocks_plain_b2"] > 0
@@ -100,6 +103,20 @@ def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     assert (tmp_path / "speedup.png").stat().st_size > 0
     floor = [result[f"plain_vs_plain_{load}_b{b}"] for load in ("scenes", "summaries") for b in (1, 2)]
     assert result["plain_vs_plain_range"] == [min(floor), max(floor)] and min(floor) > 0
+
+@pytest.mark.parametrize("method", ["early_exit", "draft_model"])
+def test_a_ceiling_run_accepts_every_draft_and_keeps_the_outputs(method):
+    """``--ceiling`` drafts the target's own tokens (each round's pass i proposes the token i
+    past the sequence's end): every draft is accepted and the outputs are plain decoding's."""
+    prompts = spec_bench.workloads(3, 11)["summaries"]
+    own = spec_bench.own_outputs(spec_bench.BUNDLED_MODEL, prompts, 2)
+    config = SpeculativeConfig(method=method, num_tokens=6, draft_length="fixed",
+                               draft_model=spec_bench.DRAFT_MODEL if method == "draft_model" else None)
+    outs, _, stats = spec_bench.timed_mmkv(spec_bench.BUNDLED_MODEL, prompts, 2, config, own)
+    assert outs == list(own.values())
+    assert stats["spec_drafted_tokens"] > 20
+    assert stats["spec_accepted_tokens"] == stats["spec_drafted_tokens"]
+
 
 def test_paired_speedup_compares_runs_of_the_same_round():
     """The machine slowed down for a round: the variant's runs beside plain decoding's still show

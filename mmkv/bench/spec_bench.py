@@ -16,6 +16,12 @@ decoding run twice in each round gives the noise floor (``plain_vs_plain_<cell>`
 (tokens/s) and transformers' timings are the fastest of the repeats. Every timing is taken with
 the garbage collector paused (``mmkv.bench.timed``). The chart is the speedup against the batch
 size, one line per method and workload.
+
+With ``--ceiling`` each method also runs with every draft replaced by the target's own greedy
+token (``Speculator.proposals``; the outputs of a plain run of the same prompts): its passes run
+and are paid for as usual and every draft is accepted, so ``ceiling_<method>_<cell>`` is the
+most any choice of draft lengths could give with that draft's pass costs, and the method's
+speedup over its ceiling is how much of it the real draft and the controller reach.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from speculative import SpeculativeConfig
 
 PARAMS = SamplingParams(max_tokens=48)
 METHODS = ("early_exit", "draft")  # the speculative configs; plain and plain_again are the baseline
+CEILING = "_ceiling"  # a method's config with the target's own tokens as its drafts
 DRAFT_MODEL = BUNDLED_MODEL.parent / "tiny-draft"
 
 
@@ -61,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5,
                    help="rounds of runs of every variant (speedups: the median round's ratio)")
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--ceiling", action="store_true",
+                   help="also run each method with the target's own tokens as its drafts (every "
+                        "draft accepted, every pass paid for): the speedup's ceiling")
 
 
 def workloads(n: int, seed: int) -> dict[str, list]:
@@ -71,20 +81,44 @@ def workloads(n: int, seed: int) -> dict[str, list]:
     return {"scenes": scenes, "summaries": docs}
 
 
-def timed_mmkv(model: Path, prompts: list, batch: int, speculative: SpeculativeConfig | None):
-    """Generated tokens, seconds and stats for ``prompts`` served ``batch`` at a time on a fresh
-    engine (so a fresh cache and controller)."""
+def fresh_engine(model: Path, prompts: list, batch: int, speculative: SpeculativeConfig | None) -> Engine:
+    """A fresh engine (so a fresh cache and controller) that serves ``batch`` sequences at a time,
+    warmed up on a short request."""
     engine = Engine(model, kv_cache_memory="256MiB", host_kv_memory="16MiB", speculative=speculative,
                     max_num_seqs=batch)
-    engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
-    outs, seconds = timed(lambda: [o for i in range(0, len(prompts), batch)
-                                   for o in engine.generate(prompts[i:i + batch], PARAMS)])
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4))
+    return engine
+
+
+def serve(engine: Engine, prompts: list, batch: int) -> list:
+    """``prompts`` served ``batch`` at a time, in order (so engines warmed up alike number their
+    requests alike)."""
+    return [o for i in range(0, len(prompts), batch) for o in engine.generate(prompts[i:i + batch], PARAMS)]
+
+
+def timed_mmkv(model: Path, prompts: list, batch: int, speculative: SpeculativeConfig | None,
+               own: dict[int, list[int]] | None = None):
+    """Generated tokens, seconds and stats for ``prompts`` served on a fresh engine. With ``own``
+    (``own_outputs``), the drafts are the target's own tokens."""
+    engine = fresh_engine(model, prompts, batch, speculative)
+    if own is not None:
+        engine.speculator.proposals = lambda seq, depth: own[seq.request_id][
+            min(seq.num_generated + depth, len(own[seq.request_id]) - 1)]
+    outs, seconds = timed(lambda: serve(engine, prompts, batch))
     return [o.token_ids for o in outs], seconds, engine.stats()
+
+
+def own_outputs(model: Path, prompts: list, batch: int) -> dict[int, list[int]]:
+    """The target's greedy outputs of ``prompts`` by request id, served as ``timed_mmkv`` serves
+    them: what a ceiling run's draft proposes (pass ``i`` of a round proposes the token at the
+    sequence's generated length plus ``i``)."""
+    return {o.request_id: o.token_ids for o in serve(fresh_engine(model, prompts, batch, None), prompts, batch)}
 
 
 def interleaved(model: Path, prompts: dict[str, list], batch: int,
                 configs: dict[str, SpeculativeConfig | None], repeats: int) -> dict:
-    """``repeats`` runs of ``timed_mmkv`` for every (config, workload), as lists in run order.
+    """``repeats`` runs of ``timed_mmkv`` for every (config, workload), as lists in run order
+    (a config named ``<method>_ceiling`` proposes the target's own tokens).
     Each round serves one workload with every config in turn, in reverse order every other
     round, so a config's run lies next to plain decoding's of the same round (``paired``
     compares them there) and no config always runs first. A first round is run and not counted:
@@ -92,10 +126,13 @@ def interleaved(model: Path, prompts: dict[str, list], batch: int,
     and caches settle)."""
     runs: dict = {key: [] for key in ((name, load) for name in configs for load in prompts)}
     names = list(configs)
+    own = ({load: own_outputs(model, subset, batch) for load, subset in prompts.items()}
+           if any(name.endswith(CEILING) for name in names) else {})
     for round_ in range(repeats + 1):
         for load, subset in prompts.items():
             for name in (names if round_ % 2 else names[::-1]):
-                run = timed_mmkv(model, subset, batch, configs[name])
+                run = timed_mmkv(model, subset, batch, configs[name],
+                                 own[load] if name.endswith(CEILING) else None)
                 if round_:
                     runs[name, load].append(run)
     return runs
@@ -145,6 +182,8 @@ def run(args: argparse.Namespace) -> dict:
                                              draft_model=args.draft, draft_length=args.draft_length,
                                              adaptive_threshold=args.adaptive_threshold or None)
     methods = [name for name in METHODS if name in configs]
+    if args.ceiling:
+        configs.update({name + CEILING: configs[name] for name in methods})
     result: dict = {}
     equal = True
     ours: dict = {}  # batch-1 summaries: what transformers also serves
@@ -160,6 +199,10 @@ def run(args: argparse.Namespace) -> dict:
                 continue
             if name == "plain_again":  # the noise floor: plain decoding against itself
                 result[f"plain_vs_plain_{load}_b{batch}"] = round(
+                    paired(seconds["plain", load], seconds[name, load]), 2)
+                continue
+            if name.endswith(CEILING):
+                result[f"ceiling_{name[:-len(CEILING)]}_{load}_b{batch}"] = round(
                     paired(seconds["plain", load], seconds[name, load]), 2)
                 continue
             cell, stats = f"{name}_{load}_b{batch}", [r[2] for r in rs]  # every round's run
@@ -186,6 +229,8 @@ def run(args: argparse.Namespace) -> dict:
                     / sum(tokens(outs["plain", load]) for load in loads), 2)
                 stats = _merged_stats([r[2] for load in loads for r in runs[name, load]])
                 result[f"mean_tokens_per_round_{name}_b{batch}"] = stats["spec_mean_tokens_per_round"]
+                if name + CEILING in configs:
+                    result[f"ceiling_{name}_b{batch}"] = round(paired(both["plain"], both[name + CEILING]), 2)
     cells = {k: v for k, v in result.items()
              if k.startswith("speedup_") and any(f"_{load}_b" in k for load in loads)}
     result["min_speedup"] = min(cells.values())
