@@ -21,10 +21,10 @@ round, left out before); except a pass in which a packed layer built a kernel (i
 far longer than the next of its shape will), and every round's proposals and acceptances.
 
 ``Speculator.proposals``, when set, replaces the draft's tokens with given ones while every pass
-still runs: ``bench spec --ceiling`` has it propose the target's own greedy tokens, so every
-draft is accepted and the speedup measured is the most any choice of draft lengths could give
-with this draft's pass costs (greedy sequences only: verifying a sampled sequence needs tokens
-drawn from the draft's distribution).
+still runs: ``bench spec --all-accepted`` has it propose the target's own greedy tokens, so
+every draft is accepted and the speedup measured is what a perfect draft with these pass costs
+would give (greedy sequences only: verifying a sampled sequence needs tokens drawn from the
+draft's distribution).
 
 Two drafts:
 

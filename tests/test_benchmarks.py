@@ -87,13 +87,13 @@ def test_image_qa_bench_on_qwen2_5_vl_computes_each_image_once():
 def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     result = bench("spec", "--requests", "2", "--batch1-requests", "1", "--batches", "1,2",
                    "--chart", str(tmp_path / "speedup.png"), "--adaptive-threshold", "0.4",
-                   "--repeats", "1", "--ceiling")
+                   "--repeats", "1", "--all-accepted")
     assert result["outputs_equal"] is True
     cells = [f"{name}_{load}_b{b}" for name in ("early_exit", "draft")
              for load in ("scenes", "summaries") for b in (1, 2)]
     assert result["min_speedup"] == min(result[f"speedup_{cell}"] for cell in cells) > 0
-    assert all(result[f"ceiling_{cell}"] > 0 for cell in cells)
-    assert all(result[f"ceiling_{name}_b{b}"] > 0 for name in ("early_exit", "draft") for b in (1, 2))
+    assert all(result[f"all_accepted_{cell}"] > 0 for cell in cells)
+    assert all(result[f"all_accepted_{name}_b{b}"] > 0 for name in ("early_exit", "draft") for b in (1, 2))
     for name in ("early_exit", "draft"):
         assert result[f"mean_tokens_per_round_{name}_b1"] >= 1
         assert result[f"peak_blocks_{name}_b2"] >= result["peak_blocks_plain_b2"] > 0
@@ -105,8 +105,8 @@ def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     assert result["plain_vs_plain_range"] == [min(floor), max(floor)] and min(floor) > 0
 
 @pytest.mark.parametrize("method", ["early_exit", "draft_model"])
-def test_a_ceiling_run_accepts_every_draft_and_keeps_the_outputs(method):
-    """``--ceiling`` drafts the target's own tokens (each round's pass i proposes the token i
+def test_an_all_accepted_run_accepts_every_draft_and_keeps_the_outputs(method):
+    """``--all-accepted`` drafts the target's own tokens (each round's pass i proposes the token i
     past the sequence's end): every draft is accepted and the outputs are plain decoding's."""
     prompts = spec_bench.workloads(3, 11)["summaries"]
     own = spec_bench.own_outputs(spec_bench.BUNDLED_MODEL, prompts, 2)

@@ -17,11 +17,14 @@ decoding run twice in each round gives the noise floor (``plain_vs_plain_<cell>`
 the garbage collector paused (``mmkv.bench.timed``). The chart is the speedup against the batch
 size, one line per method and workload.
 
-With ``--ceiling`` each method also runs with every draft replaced by the target's own greedy
-token (``Speculator.proposals``; the outputs of a plain run of the same prompts): its passes run
-and are paid for as usual and every draft is accepted, so ``ceiling_<method>_<cell>`` is the
-most any choice of draft lengths could give with that draft's pass costs, and the method's
-speedup over its ceiling is how much of it the real draft and the controller reach.
+With ``--all-accepted`` each method also runs with every draft replaced by the target's own
+greedy token (``Speculator.proposals``; the outputs of a plain run of the same prompts): its
+passes run and are paid for as usual and every draft is accepted, so
+``all_accepted_<method>_<cell>`` is what a perfect draft with these pass costs would give, the
+controller choosing lengths as usual. With ``--draft-length fixed`` the rounds are the longest,
+which at batch 1 is the most any lengths give: one more accepted draft costs a draft pass and a
+verified row, less than the round's mean time per token. It tells a draft's shortfall from what
+the pass costs allow.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from speculative import SpeculativeConfig
 
 PARAMS = SamplingParams(max_tokens=48)
 METHODS = ("early_exit", "draft")  # the speculative configs; plain and plain_again are the baseline
-CEILING = "_ceiling"  # a method's config with the target's own tokens as its drafts
+ALL_ACCEPTED = "_all_accepted"  # a method's config with the target's own tokens as its drafts
 DRAFT_MODEL = BUNDLED_MODEL.parent / "tiny-draft"
 
 
@@ -68,9 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5,
                    help="rounds of runs of every variant (speedups: the median round's ratio)")
     p.add_argument("--seed", type=int, default=11)
-    p.add_argument("--ceiling", action="store_true",
+    p.add_argument("--all-accepted", action="store_true",
                    help="also run each method with the target's own tokens as its drafts (every "
-                        "draft accepted, every pass paid for): the speedup's ceiling")
+                        "draft accepted, every pass paid for): what a perfect draft would give")
 
 
 def workloads(n: int, seed: int) -> dict[str, list]:
@@ -110,7 +113,7 @@ def timed_mmkv(model: Path, prompts: list, batch: int, speculative: SpeculativeC
 
 def own_outputs(model: Path, prompts: list, batch: int) -> dict[int, list[int]]:
     """The target's greedy outputs of ``prompts`` by request id, served as ``timed_mmkv`` serves
-    them: what a ceiling run's draft proposes (pass ``i`` of a round proposes the token at the
+    them: what an all-accepted run's draft proposes (pass ``i`` of a round proposes the token at the
     sequence's generated length plus ``i``)."""
     return {o.request_id: o.token_ids for o in serve(fresh_engine(model, prompts, batch, None), prompts, batch)}
 
@@ -118,7 +121,7 @@ def own_outputs(model: Path, prompts: list, batch: int) -> dict[int, list[int]]:
 def interleaved(model: Path, prompts: dict[str, list], batch: int,
                 configs: dict[str, SpeculativeConfig | None], repeats: int) -> dict:
     """``repeats`` runs of ``timed_mmkv`` for every (config, workload), as lists in run order
-    (a config named ``<method>_ceiling`` proposes the target's own tokens).
+    (a config named ``<method>_all_accepted`` proposes the target's own tokens).
     Each round serves one workload with every config in turn, in reverse order every other
     round, so a config's run lies next to plain decoding's of the same round (``paired``
     compares them there) and no config always runs first. A first round is run and not counted:
@@ -127,12 +130,12 @@ def interleaved(model: Path, prompts: dict[str, list], batch: int,
     runs: dict = {key: [] for key in ((name, load) for name in configs for load in prompts)}
     names = list(configs)
     own = ({load: own_outputs(model, subset, batch) for load, subset in prompts.items()}
-           if any(name.endswith(CEILING) for name in names) else {})
+           if any(name.endswith(ALL_ACCEPTED) for name in names) else {})
     for round_ in range(repeats + 1):
         for load, subset in prompts.items():
             for name in (names if round_ % 2 else names[::-1]):
                 run = timed_mmkv(model, subset, batch, configs[name],
-                                 own[load] if name.endswith(CEILING) else None)
+                                 own[load] if name.endswith(ALL_ACCEPTED) else None)
                 if round_:
                     runs[name, load].append(run)
     return runs
@@ -182,8 +185,8 @@ def run(args: argparse.Namespace) -> dict:
                                              draft_model=args.draft, draft_length=args.draft_length,
                                              adaptive_threshold=args.adaptive_threshold or None)
     methods = [name for name in METHODS if name in configs]
-    if args.ceiling:
-        configs.update({name + CEILING: configs[name] for name in methods})
+    if args.all_accepted:
+        configs.update({name + ALL_ACCEPTED: configs[name] for name in methods})
     result: dict = {}
     equal = True
     ours: dict = {}  # batch-1 summaries: what transformers also serves
@@ -201,8 +204,8 @@ def run(args: argparse.Namespace) -> dict:
                 result[f"plain_vs_plain_{load}_b{batch}"] = round(
                     paired(seconds["plain", load], seconds[name, load]), 2)
                 continue
-            if name.endswith(CEILING):
-                result[f"ceiling_{name[:-len(CEILING)]}_{load}_b{batch}"] = round(
+            if name.endswith(ALL_ACCEPTED):
+                result[f"all_accepted_{name[:-len(ALL_ACCEPTED)]}_{load}_b{batch}"] = round(
                     paired(seconds["plain", load], seconds[name, load]), 2)
                 continue
             cell, stats = f"{name}_{load}_b{batch}", [r[2] for r in rs]  # every round's run
@@ -229,8 +232,8 @@ def run(args: argparse.Namespace) -> dict:
                     / sum(tokens(outs["plain", load]) for load in loads), 2)
                 stats = _merged_stats([r[2] for load in loads for r in runs[name, load]])
                 result[f"mean_tokens_per_round_{name}_b{batch}"] = stats["spec_mean_tokens_per_round"]
-                if name + CEILING in configs:
-                    result[f"ceiling_{name}_b{batch}"] = round(paired(both["plain"], both[name + CEILING]), 2)
+                if name + ALL_ACCEPTED in configs:
+                    result[f"all_accepted_{name}_b{batch}"] = round(paired(both["plain"], both[name + ALL_ACCEPTED]), 2)
     cells = {k: v for k, v in result.items()
              if k.startswith("speedup_") and any(f"_{load}_b" in k for load in loads)}
     result["min_speedup"] = min(cells.values())
