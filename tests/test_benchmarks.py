@@ -87,13 +87,14 @@ def test_image_qa_bench_on_qwen2_5_vl_computes_each_image_once():
 def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     result = bench("spec", "--requests", "2", "--batch1-requests", "1", "--batches", "1,2",
                    "--chart", str(tmp_path / "speedup.png"), "--adaptive-threshold", "0.4",
-                   "--repeats", "1", "--all-accepted")
+                   "--repeats", "1", "--seconds", "0", "--all-accepted")
     assert result["outputs_equal"] is True
     cells = [f"{name}_{load}_b{b}" for name in ("early_exit", "draft")
              for load in ("scenes", "summaries") for b in (1, 2)]
     assert result["min_speedup"] == min(result[f"speedup_{cell}"] for cell in cells) > 0
     assert all(result[f"all_accepted_{cell}"] > 0 for cell in cells)
     assert all(result[f"all_accepted_{name}_b{b}"] > 0 for name in ("early_exit", "draft") for b in (1, 2))
+    assert result["rounds_b1"] == result["rounds_b2"] == 1
     for name in ("early_exit", "draft"):
         assert result[f"mean_tokens_per_round_{name}_b1"] >= 1
         assert result[f"peak_blocks_{name}_b2"] >= result["peak_blocks_plain_b2"] > 0
@@ -116,6 +117,19 @@ def test_an_all_accepted_run_accepts_every_draft_and_keeps_the_outputs(method):
     assert outs == list(own.values())
     assert stats["spec_drafted_tokens"] > 20
     assert stats["spec_accepted_tokens"] == stats["spec_drafted_tokens"]
+
+
+@pytest.mark.parametrize("seconds, rounds", [(0, 2), (10, 5), (100, 2 * spec_bench.MAX_ROUNDS)])
+def test_short_runs_get_more_rounds_up_to_a_cap(monkeypatch, seconds, rounds):
+    """Rounds are added while the counted runs took under ``seconds`` (two 1-second runs a
+    round), never fewer than ``repeats`` and at most ``MAX_ROUNDS`` x ``repeats``; the first
+    round is not counted."""
+    calls = []
+    monkeypatch.setattr(spec_bench, "timed_mmkv", lambda *args: calls.append(args) or ([], 1.0, {}))
+    runs = spec_bench.interleaved(Path("model"), {"load": ["p"]}, 1, {"plain": None, "other": None},
+                                  repeats=2, seconds=seconds)
+    assert [len(rs) for rs in runs.values()] == [rounds, rounds]
+    assert len(calls) == 2 * (rounds + 1)
 
 
 def test_paired_speedup_compares_runs_of_the_same_round():

@@ -9,8 +9,9 @@ size in the same run; ``min_speedup`` is the least of them. Batch 1 serves the f
 ``--batch1-requests`` prompts one at a time, batches 8 and 32 serve all ``--requests``.
 transformers runs the batch-1 summaries (its Mllama text model takes no image without the
 cross-attention plumbing), the only batch size its assisted generation supports. Every greedy
-variant must give the same outputs. mmkv runs every variant ``--repeats`` times, each on a fresh
-engine (so the controller learns afresh), the variants taking turns within each round; a speedup
+variant must give the same outputs. mmkv runs every variant ``--repeats`` times or more (rounds
+are added while a batch size's runs took under ``--seconds``: ``rounds_b<batch>``), each on a
+fresh engine (so the controller learns afresh), the variants taking turns within each round; a speedup
 is the median over rounds of the round's ratio to plain decoding (``paired``), and plain
 decoding run twice in each round gives the noise floor (``plain_vs_plain_<cell>``). Throughputs
 (tokens/s) and transformers' timings are the fastest of the repeats. Every timing is taken with
@@ -48,6 +49,7 @@ from speculative import SpeculativeConfig
 
 PARAMS = SamplingParams(max_tokens=48)
 METHODS = ("early_exit", "draft")  # the speculative configs; plain and plain_again are the baseline
+MAX_ROUNDS = 4  # a batch size's counted rounds are at most this x --repeats
 ALL_ACCEPTED = "_all_accepted"  # a method's config with the target's own tokens as its drafts
 DRAFT_MODEL = BUNDLED_MODEL.parent / "tiny-draft"
 
@@ -70,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chart", type=Path, default=Path("spec_speedup.png"))
     p.add_argument("--repeats", type=int, default=5,
                    help="rounds of runs of every variant (speedups: the median round's ratio)")
+    p.add_argument("--seconds", type=float, default=30.0,
+                   help=f"more rounds (up to {MAX_ROUNDS}x --repeats) while a batch size's counted "
+                        "runs took under this many seconds in all")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--all-accepted", action="store_true",
                    help="also run each method with the target's own tokens as its drafts (every "
@@ -119,9 +124,12 @@ def own_outputs(model: Path, prompts: list, batch: int) -> dict[int, list[int]]:
 
 
 def interleaved(model: Path, prompts: dict[str, list], batch: int,
-                configs: dict[str, SpeculativeConfig | None], repeats: int) -> dict:
-    """``repeats`` runs of ``timed_mmkv`` for every (config, workload), as lists in run order
-    (a config named ``<method>_all_accepted`` proposes the target's own tokens).
+                configs: dict[str, SpeculativeConfig | None], repeats: int, seconds: float = 0.0) -> dict:
+    """At least ``repeats`` runs of ``timed_mmkv`` for every (config, workload), as lists in run
+    order (a config named ``<method>_all_accepted`` proposes the target's own tokens); more
+    rounds, up to ``MAX_ROUNDS`` x ``repeats``, while the counted runs took under ``seconds`` in
+    all (a round at batch 32 takes a quarter of one at batch 1, and its median over 5 rounds
+    left plain decoding at 0.90-0.93x of itself).
     Each round serves one workload with every config in turn, in reverse order every other
     round, so a config's run lies next to plain decoding's of the same round (``paired``
     compares them there) and no config always runs first. A first round is run and not counted:
@@ -131,13 +139,16 @@ def interleaved(model: Path, prompts: dict[str, list], batch: int,
     names = list(configs)
     own = ({load: own_outputs(model, subset, batch) for load, subset in prompts.items()}
            if any(name.endswith(ALL_ACCEPTED) for name in names) else {})
-    for round_ in range(repeats + 1):
+    round_, spent = 0, 0.0
+    while round_ <= repeats or (spent < seconds and round_ <= MAX_ROUNDS * repeats):
         for load, subset in prompts.items():
             for name in (names if round_ % 2 else names[::-1]):
                 run = timed_mmkv(model, subset, batch, configs[name],
                                  own[load] if name.endswith(ALL_ACCEPTED) else None)
                 if round_:
                     runs[name, load].append(run)
+                    spent += run[1]
+        round_ += 1
     return runs
 
 
@@ -193,7 +204,8 @@ def run(args: argparse.Namespace) -> dict:
     for batch in batches:
         subset = {load: prompts[:args.batch1_requests] if batch == 1 else prompts
                   for load, prompts in loads.items()}
-        runs = interleaved(args.model, subset, batch, configs, args.repeats)
+        runs = interleaved(args.model, subset, batch, configs, args.repeats, args.seconds)
+        result[f"rounds_b{batch}"] = len(runs["plain", next(iter(loads))])
         outs = {key: rs[0][0] for key, rs in runs.items()}
         seconds = {key: [r[1] for r in rs] for key, rs in runs.items()}
         for (name, load), rs in runs.items():
