@@ -105,6 +105,7 @@ def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     floor = [result[f"plain_vs_plain_{load}_b{b}"] for load in ("scenes", "summaries") for b in (1, 2)]
     assert result["plain_vs_plain_range"] == [min(floor), max(floor)] and min(floor) > 0
 
+
 @pytest.mark.parametrize("method", ["early_exit", "draft_model"])
 def test_an_all_accepted_run_accepts_every_draft_and_keeps_the_outputs(method):
     """``--all-accepted`` drafts the target's own tokens (each round's pass i proposes the token i

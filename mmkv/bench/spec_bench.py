@@ -110,8 +110,7 @@ def timed_mmkv(model: Path, prompts: list, batch: int, speculative: SpeculativeC
     (``own_outputs``), the drafts are the target's own tokens."""
     engine = fresh_engine(model, prompts, batch, speculative)
     if own is not None:
-        engine.speculator.proposals = lambda seq, depth: own[seq.request_id][
-            min(seq.num_generated + depth, len(own[seq.request_id]) - 1)]
+        engine.speculator.proposals = lambda seq, depth: own[seq.request_id][seq.num_generated + depth]
     outs, seconds = timed(lambda: serve(engine, prompts, batch))
     return [o.token_ids for o in outs], seconds, engine.stats()
 
