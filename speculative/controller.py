@@ -48,7 +48,12 @@ draft model whether to follow prompts at prefill or leave them to catch-up.
 
 Before it has timed ``EXPLORE`` verification passes the controller explores: it drafts up to
 ``EXPLORE_LENGTH`` tokens a sequence (a position not yet tried is expected to go as the deepest
-one tried, so longer drafts are tried where acceptance is high). A sequence that a draft model
+one tried, so longer drafts are tried where acceptance is high). Then, before it has timed a
+plain pass, it decodes plainly: verification passes alone cannot tell their extra fixed cost
+from the intercept they share with plain decoding (every one pays both), so the fit split the
+fixed cost between the two and priced plain decoding at about half its fixed cost. Fresh
+engines at batch 8 chose plain decoding at their first priced step, expecting 2.2-2.6 tokens a
+millisecond from plain steps that then gave 1.1-1.4. A sequence that a draft model
 must first catch up drafts at most ``FRONTIER_GROWTH`` times as deep as any round has reached
 (``AcceptanceModel.reached``): its catch-up is paid for by the positions it is to draft, and
 depths no round has seen are no evidence. (After the bench's warm-up request had run one round
@@ -248,6 +253,8 @@ class DraftLengthController:
                 caps.append(min(limit, EXPLORE_LENGTH) if room else 0)
                 room -= caps[-1] > 0
             return caps
+        if not self.costs.count("plain"):
+            return [0] * len(limits)  # time a plain pass before pricing (the module docstring)
         self.planned += 1
         if behind is not None and any(behind):
             frontier = FRONTIER_GROWTH * max(EXPLORE_LENGTH, self.acceptance.reached)
