@@ -3,7 +3,8 @@
 Each family runs the same requests (prompt chunks, decode steps, a shared prefix served by
 cascade attention) through the fused layers and through transformers' own decoder layers,
 capturing every step's logits. With plain ``F.linear`` (``MMKV_PACK_WEIGHTS=0``) the fused layers
-equal the modules bit for bit; with weights packed for oneDNN (the CPU default) they agree to
+(and the final norm and embedding lookup, run without their modules' calls) equal the modules bit
+for bit; with weights packed for oneDNN (the CPU default) they agree to
 float rounding and give the same tokens.
 """
 
@@ -60,6 +61,7 @@ def assert_same_as_modules(build, requests, monkeypatch) -> None:
     plain.kv.tree.evict(plain.kv.pool.num_blocks)  # the second run reuses nothing cached
     plain.model.fused = {}
     plain.model.run_cross_layer = module_cross_layer
+    plain.model.final_norm, plain.model._embedding = plain.model.text_model.norm, None  # modules
     modules = captured_logits(plain, requests)
     assert len(fused) == len(modules) == len(packed_logits) >= P.max_tokens
     for a, b, c in zip(fused, modules, packed_logits):

@@ -24,7 +24,7 @@ from transformers import AttentionInterface, AutoConfig, PretrainedConfig
 from cache import KVLayout
 from mmkv.attention.backend import AttentionBackend
 from mmkv.attention.metadata import CrossBatch, PagedBatch
-from mmkv.models.fused_layer import FusedDecoderLayer
+from mmkv.models.fused_layer import FusedDecoderLayer, norm_function
 from mmkv.models.packed_linear import PackedLinear, make_linear, release
 from mmkv.models.mrope import MRopePositions
 from vision import PreparedImage, VisionPipeline
@@ -177,6 +177,9 @@ class ModelAdapter:
         if isinstance(self.head, PackedLinear) and head.weight is not self.text_model.embed_tokens.weight:
             release(head)
         self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.final_norm = norm_function(self.text_model.norm)
+        embedding = self.text_model.embed_tokens  # a lookup without the module call, where it is one
+        self._embedding = embedding if type(embedding) is torch.nn.Embedding and embedding.max_norm is None else None
 
     # -- layout ---------------------------------------------------------------------------------
     @property
@@ -231,7 +234,10 @@ class ModelAdapter:
 
     # -- the step -------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
-        hidden = self.text_model.embed_tokens(input_ids[None])
+        if self._embedding is not None:
+            hidden = torch.nn.functional.embedding(input_ids[None], self._embedding.weight)
+        else:
+            hidden = self.text_model.embed_tokens(input_ids[None])
         if step.image_rows is not None:
             # image embeddings may carry more than the hidden width (Qwen3-VL's deepstack features)
             hidden[0, step.image_rows] = step.image_embeds[:, :hidden.shape[-1]].to(hidden.dtype)
@@ -244,16 +250,16 @@ class ModelAdapter:
         rope = positions if step.rope_positions is None else step.rope_positions
         rotary = self.rotary(hidden, rope, max(step.batch.kv_lens))
         row_cos, row_sin = rotary[0][0, :, None], rotary[1][0, :, None]  # [T, 1, head_dim]
+        layers = self.text_model.layers
         for i in range(start, self.num_layers if end is None else end):
-            layer = self.text_model.layers[i]
             fused = self.fused.get(i)
             if fused is not None:
                 hidden = fused(hidden[0], row_cos, row_sin, step)[None]
             elif i in self.cross_layers:  # families with cross layers define run_cross_layer
-                hidden = self.run_cross_layer(layer, hidden, step)
+                hidden = self.run_cross_layer(layers[i], hidden, step)
             else:
-                hidden = layer(hidden, position_embeddings=rotary, position_ids=positions,
-                               mmkv_step=step)
+                hidden = layers[i](hidden, position_embeddings=rotary, position_ids=positions,
+                                   mmkv_step=step)
             hidden = self.after_layer(i, hidden, step)
         return hidden
 
@@ -291,7 +297,7 @@ class ModelAdapter:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on rows ``[n, hidden]``; float32 logits."""
-        return self.head(self.text_model.norm(hidden)).float()
+        return self.head(self.final_norm(hidden)).float()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: StepContext,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from mmkv.models.packed_linear import PackedLinear, PlainLinear, make_linear, release
 
@@ -31,10 +32,28 @@ SUPPORTED = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: statistics in float32, the weight applied in the input's dtype."""
+    """transformers' RMSNorm: statistics in float32, the weight applied in the input's dtype. In
+    float32 torch's ``rms_norm`` computes the same operations in the same order in one call (a
+    third faster on a decode row, where the eight calls' dispatch is the cost)."""
+    if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(hidden, weight.shape, weight, eps)
     x = hidden.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(hidden.dtype)
+
+
+# transformers' RMSNorm classes of the fused families: each computes ``rms_norm`` exactly
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "MllamaTextRMSNorm", "Qwen2VLRMSNorm",
+             "Qwen2_5_VLRMSNorm")
+
+
+def norm_function(module: torch.nn.Module):
+    """``module``'s forward as a plain call: ``rms_norm`` over its weight where it is one of
+    ``RMS_NORMS`` (a module call's hooks and attribute lookups cost more than the norm does on a
+    decode row), else the module itself."""
+    if type(module).__name__ not in RMS_NORMS:
+        return module
+    return lambda hidden: rms_norm(hidden, module.weight, module.variance_epsilon)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
