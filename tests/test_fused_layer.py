@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from mmkv import SamplingParams
-from mmkv.models.packed_linear import PackedLinear, padded_rows
+from mmkv.models import packed_linear
+from mmkv.models.packed_linear import ONE_THREAD, PACKED, PLAIN, PackedLinear, padded_rows
 from test_engine_oracle import engine, prompts
 from test_multimodal import q, vlm_engine
 from tiny_models import FAMILIES
@@ -88,7 +89,8 @@ def test_vision_language_families(vlm_dirs, family, monkeypatch):
 def test_packed_layers_run_each_row_count_at_one_of_few_padded_counts():
     """oneDNN builds a primitive per row count (hundreds of microseconds, once each), and
     verification meets a new count almost every round: a packed layer pads its rows to one of at
-    most 8 counts per doubling, at most an eighth more, and returns exactly its rows' outputs."""
+    most 8 counts per doubling, at most an eighth more, and returns exactly its rows' outputs,
+    whichever way it runs them."""
     counts = {padded_rows(rows) for rows in range(1, 4097)}
     for low in (16, 32, 64, 128, 256, 512, 1024, 2048):
         assert len({c for c in counts if low < c <= 2 * low}) <= 8
@@ -97,6 +99,39 @@ def test_packed_layers_run_each_row_count_at_one_of_few_padded_counts():
     torch.manual_seed(0)
     weight, bias = torch.randn(700, 128), torch.randn(700)
     layer = PackedLinear(weight, bias)
-    for rows in (1, 7, 17, 23, 40, 41, 57, 130):
-        x = torch.randn(rows, 128)
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    for way in available_ways():
+        for rows in (1, 7, 17, 23, 40, 41, 57, 130):
+            x = torch.randn(rows, 128)
+            torch.testing.assert_close(layer.run(x, way), torch.nn.functional.linear(x, weight, bias),
+                                       rtol=1e-5, atol=1e-4)
+
+
+def available_ways() -> list[str]:
+    return [PACKED, PLAIN] + ([ONE_THREAD] if packed_linear._mkl_local_threads() is not None else [])
+
+
+def test_calibration_runs_each_row_class_the_way_it_timed_fastest(monkeypatch):
+    """Each row class takes the way with the least median time over the turns (one slow turn of
+    the fastest way, a process on the same core, does not change its choice); classes whose
+    work is past the calibration budget run packed."""
+    monkeypatch.setattr(packed_linear, "_mkl_local_threads", lambda: lambda threads: 0)
+    layer = PackedLinear(torch.randn(64, 32), None)
+    now, turns = [0.0], {}
+
+    def timed_run(x, way):  # plain wins on 1-2 rows, one thread on 3-64, packed on more
+        rows = x.shape[0]
+        turns[rows, way] = turns.get((rows, way), 0) + 1
+        spike = 1000.0 if (rows, way, turns[rows, way]) == (1, PLAIN, 2) else 0.0
+        now[0] += spike + {PACKED: 60.0, PLAIN: 2.0 + rows, ONE_THREAD: 3.0 + rows / 2}[way]
+
+    layer.run = timed_run
+    ways = layer.calibrate(clock=lambda: now[0])
+    assert ways == (PLAIN, PLAIN, ONE_THREAD, ONE_THREAD, ONE_THREAD, ONE_THREAD, ONE_THREAD,
+                    PACKED, PACKED)
+    monkeypatch.setattr(packed_linear, "CALIBRATION_WORK", 64 * 32 * 8)
+    assert len(layer.calibrate(clock=lambda: now[0])) == 4  # 1, 2, 4 and 8 rows
+    layer.ways, ran = (ONE_THREAD, PACKED), []
+    layer.run = lambda x, way: ran.append((x.shape[0], way))
+    for rows in (1, 2, 3, 300):
+        layer(torch.zeros(rows, 32))
+    assert ran == [(1, ONE_THREAD), (2, PACKED), (3, PACKED), (300, PACKED)]

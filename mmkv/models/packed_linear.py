@@ -1,4 +1,5 @@
-"""Linear layers whose weights are packed once, at load, for the CPU's GEMM.
+"""Linear layers whose weights are packed once, at load, for the CPU's GEMM, each row count run
+the way this machine runs it fastest.
 
 ``F.linear`` on the CPU goes through MKL, which re-lays-out (packs) the weight on every call and,
 on AMD processors, does not take the AVX-512 path; at decode shapes (a few rows against every
@@ -7,12 +8,32 @@ once into its blocked layout avoids both: on this project's 2-core AMD EPYC mach
 benchmark model's layers 2.3-2.6x faster in float32 (decode and prefill shapes) and 1.1-1.4x in
 bfloat16 (``python -m mmkv.bench prefix`` gives the end-to-end figures).
 
+Which is faster for a few rows depends on the machine. On a 2-core Intel Xeon a oneDNN call costs
+40-50 us whatever its size, against 10-30 us for ``F.linear``, and MKL spreading a few rows over
+both cores costs more than it saves: a 682 x 128 weight on 9 rows takes 79 us on 2 threads and
+35 us on one. So a small float32 weight (which keeps its plain copy, at most 1.6 MB) is
+*calibrated* when first met: for every row class (1, 2, 3-4, ..., 129-256 rows, while the class's
+work stays small) its three ways, oneDNN packed, ``F.linear`` on the step's threads and
+``F.linear`` with MKL on the calling thread alone (``MKL_Set_Num_Threads_Local``, which leaves
+OpenMP's team, and so the attention kernel and every other operation, as it is), are timed in
+turns, and the fastest median is that class's way. Weights of one shape, dtype and thread count
+share one calibration per process. Larger row counts and larger weights run packed.
+
 Guarantees: ``PackedLinear(w, b)(x)`` equals ``F.linear(x, w, b)`` up to float rounding (the sums
-run in another order: about 1e-6 relative in float32); it holds the packed copy only (but for
-small float32 weights), so a model whose weights are packed takes no more memory than before.
+run in another order: about 1e-6 relative in float32) whichever way a row count runs; it holds the
+packed copy only (but for small float32 weights), so a model whose weights are packed takes no
+more memory than before.
 """
 
 from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +47,11 @@ def packing_available(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
-# oneDNN's call costs about 15 us whatever the size; in float32, F.linear is faster while
-# rows x weight elements stay under this (measured on the 2-core AMD EPYC: a 512 x 512 weight
-# takes 14 us plain, 18 us packed for one row; 49 us and 24 us for eight).
-PLAIN_FLOAT32_WORK = 400_000
+PLAIN_COPY_ELEMENTS = 400_000  # a float32 weight this small keeps its plain copy (1.6 MB)
+CALIBRATED_ROWS = 256  # row counts up to this run the way calibration chose; more run packed
+CALIBRATION_WORK = 1 << 23  # ... while rows x weight elements stay within this (a call's ~0.5 ms)
+CALIBRATION_TURNS = 7  # timed calls of each way per row class (the median counts)
+PACKED, PLAIN, ONE_THREAD = "packed", "plain", "one_thread"  # the ways a row class runs
 
 
 def padded_rows(rows: int) -> int:
@@ -55,24 +77,95 @@ def kernel_builds() -> int:
     return len(_BUILT)
 
 
+def row_class(rows: int) -> int:
+    """The class of a row count: 0 for 1 row, 1 for 2, 2 for 3-4, ..., 8 for 129-256."""
+    return (rows - 1).bit_length()
+
+
+@functools.cache
+def _mkl_local_threads() -> Callable[[int], int] | None:
+    """MKL's setter of the calling thread's own thread count (0: back to the global one), where
+    torch links MKL into ``libtorch_cpu`` (its x86 builds), else None."""
+    if not torch.backends.mkl.is_available():
+        return None
+    for library in sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*")):
+        try:
+            setter = ctypes.CDLL(str(library)).MKL_Set_Num_Threads_Local
+        except (OSError, AttributeError):
+            continue
+        setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+        return setter
+    return None
+
+
+@contextlib.contextmanager
+def _mkl_on_this_thread_only():
+    setter = _mkl_local_threads()
+    setter(1)
+    try:
+        yield
+    finally:
+        setter(0)
+
+
+_CALIBRATED: dict[tuple, tuple[str, ...]] = {}  # (shape, dtype, bias, threads) -> way per row class
+
+
 class PackedLinear:
     """``y = x @ weight.T + bias`` with the weight in oneDNN's layout. A float32 weight small
-    enough for ``F.linear`` to win on few rows keeps its plain copy too (at most 1.6 MB)."""
+    enough for ``F.linear`` to win on few rows keeps its plain copy too (at most 1.6 MB), and each
+    row class runs the way calibration measured fastest (the module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         weight = weight.detach().contiguous()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = None if bias is None else bias.detach()
         self.elements = weight.numel()
         self.shape = tuple(weight.shape)
         self.row_counts: set[int] = set()  # the padded row counts this layer has run at
-        small = weight.dtype == torch.float32 and self.elements <= PLAIN_FLOAT32_WORK
+        small = weight.dtype == torch.float32 and self.elements <= PLAIN_COPY_ELEMENTS
         self.plain = weight if small else None
+        self.ways: tuple[str, ...] = ()  # per row class; classes past the end run packed
+        if small:
+            key = (self.shape, weight.dtype, bias is not None, torch.get_num_threads())
+            if key not in _CALIBRATED:
+                _CALIBRATED[key] = self.calibrate(clock)
+            self.ways = _CALIBRATED[key]
+
+    def calibrate(self, clock: Callable[[], float] = time.perf_counter) -> tuple[str, ...]:
+        """The fastest way for each row class whose work is within ``CALIBRATION_WORK``, timed on
+        ``clock``: every way once per turn, ``CALIBRATION_TURNS`` turns after a warm-up call."""
+        ways = [PACKED, PLAIN] + ([ONE_THREAD] if _mkl_local_threads() is not None else [])
+        chosen = []
+        with torch.inference_mode():
+            for c in range(row_class(CALIBRATED_ROWS) + 1):
+                rows = 1 << c
+                if rows * self.elements > CALIBRATION_WORK:
+                    break
+                x = torch.randn(rows, self.shape[1], dtype=self.plain.dtype)
+                seconds: dict[str, list[float]] = {way: [] for way in ways}
+                for turn in range(CALIBRATION_TURNS + 1):
+                    for way in ways:
+                        start = clock()
+                        self.run(x, way)
+                        if turn:
+                            seconds[way].append(clock() - start)
+                chosen.append(min(ways, key=lambda way: statistics.median(seconds[way])))
+        return tuple(chosen)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.plain is not None and rows * self.elements <= PLAIN_FLOAT32_WORK:
+        c = row_class(x.shape[0])
+        return self.run(x, self.ways[c] if c < len(self.ways) else PACKED)
+
+    def run(self, x: torch.Tensor, way: str) -> torch.Tensor:
+        """The rows ``x`` through the layer the given way."""
+        if way == PLAIN:
             return F.linear(x, self.plain, self.bias)
+        if way == ONE_THREAD:
+            with _mkl_on_this_thread_only():
+                return F.linear(x, self.plain, self.bias)
+        rows = x.shape[0]
         padded = padded_rows(rows)
         if padded not in self.row_counts:  # a set of ints here; the shared set only when new
             self.row_counts.add(padded)
