@@ -68,14 +68,30 @@ def test_mixed_batch_matches_dense(cascade, window):
             (22, 6, 2, 16),  # a speculative verification over a shared prefix (bucket 5-8)
             (19, 5, 2, 16),  # one whose new tokens start inside the pages it shares
             (9, 1, None, 0)]  # decode alone
-    layer, tables, kvs, g = build(seqs)
-    q_lens = [q for _, q, _, _ in seqs]
-    kv_lens = [n for n, _, _, _ in seqs]
-    batch = plan_batch(tables, q_lens, kv_lens, BS, torch.device("cpu"), cascade=cascade)
+    batch = assert_matches_dense(seqs, cascade, window)
     # buckets of 1, 5-8 and 9-16 new tokens; without cascade the decodes' own pages (3 and 5-6)
     # fall in two width classes, so their bucket splits
     assert batch.prefill == [1] and len(batch.decode) == (3 if cascade else 4)
     assert len(batch.cascade_groups) == (2 if cascade else 0)  # one per bucket: decodes, verifications
+
+
+@pytest.mark.parametrize("q_lens, in_order", [([1, 1, 1], [True]), ([4, 4], [True]), ([3, 4], [False]),
+                                              ([1, 1, 6], [True, False]), ([6, 1], [False, True])])
+def test_short_query_batches_in_order_are_attended_in_place(q_lens, in_order):
+    """A batch that is one plan of equal query lengths, its rows in order (decoding, a draft pass,
+    equal drafts verified), is attended on views of the packed rows; any other is gathered and
+    scattered by rows. Both give dense attention."""
+    batch = assert_matches_dense([(9 + i, q, None, 0) for i, q in enumerate(q_lens)], False, None)
+    assert [plan.in_order for plan in batch.decode] == in_order
+
+
+def assert_matches_dense(seqs, cascade, window):
+    """Plan ``seqs`` (see ``build``), write their new K/V, attend, and compare every row with the
+    dense reference; returns the plan."""
+    layer, tables, kvs, g = build(seqs)
+    q_lens = [q for _, q, _, _ in seqs]
+    kv_lens = [n for n, _, _, _ in seqs]
+    batch = plan_batch(tables, q_lens, kv_lens, BS, torch.device("cpu"), cascade=cascade)
     # Old tokens already sit in the pages; new ones arrive through write_kv like in a forward step.
     for table, (n, q, _, _), (k, v) in zip(tables, seqs, kvs):
         for pos in range(n - q):
@@ -91,6 +107,7 @@ def test_mixed_batch_matches_dense(cascade, window):
         want = dense_reference(query[start:start + q], k, v, n, D ** -0.5, window)
         torch.testing.assert_close(out[start:start + q], want, atol=1e-5, rtol=1e-5)
         start += q
+    return batch
 
 
 @pytest.mark.parametrize("query_chunk", [2048, 96])

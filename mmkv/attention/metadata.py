@@ -65,6 +65,7 @@ class DecodePlan:
     key_start: torch.Tensor  # long [d], absolute position of the first slot of those pages
     key_positions: torch.Tensor  # long [d, L], absolute position of each slot of those pages
     groups: list[CascadeGroup]
+    in_order: bool = False  # rows is arange(d * m).view(d, m): the first d sequences, m rows each
     biases: dict = field(default_factory=dict)  # additive masks built for this step, by bias()
 
     def bias(self, group_size: int, window: int | None) -> torch.Tensor:
@@ -262,6 +263,7 @@ def _decode_plan(units: list[tuple[tuple[int, int], list[int]]], pages: list[lis
         lens=lens_t, host_lens=lens, positions=positions, key_start=key_start,
         key_positions=key_positions,
         groups=groups,
+        in_order=ids == list(range(len(ids))) and all(q_lens[i] == m for i in ids),
     )
 
 
