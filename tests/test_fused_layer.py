@@ -13,7 +13,7 @@ import torch
 
 from mmkv import SamplingParams
 from mmkv.models import packed_linear
-from mmkv.models.packed_linear import ONE_THREAD, PACKED, PLAIN, PackedLinear, padded_rows
+from mmkv.models.packed_linear import ONE_THREAD, PACKED, PLAIN, PackedLinear, padded_rows, row_class
 from test_engine_oracle import engine, prompts
 from test_multimodal import q, vlm_engine
 from tiny_models import FAMILIES
@@ -118,7 +118,7 @@ def test_calibration_runs_each_row_class_the_way_it_timed_fastest(monkeypatch):
     layer = PackedLinear(torch.randn(64, 32), None)
     now, turns = [0.0], {}
 
-    def timed_run(x, way):  # plain wins on 1-2 rows, one thread on 3-64, packed on more
+    def timed_run(x, way):  # plain wins on 1-2 rows, one thread on 3-114, packed on more
         rows = x.shape[0]
         turns[rows, way] = turns.get((rows, way), 0) + 1
         spike = 1000.0 if (rows, way, turns[rows, way]) == (1, PLAIN, 2) else 0.0
@@ -126,10 +126,10 @@ def test_calibration_runs_each_row_class_the_way_it_timed_fastest(monkeypatch):
 
     layer.run = timed_run
     ways = layer.calibrate(clock=lambda: now[0])
-    assert ways == (PLAIN, PLAIN, ONE_THREAD, ONE_THREAD, ONE_THREAD, ONE_THREAD, ONE_THREAD,
-                    PACKED, PACKED)
+    assert ways == (PLAIN, PLAIN) + (ONE_THREAD,) * 14 + (ONE_THREAD,) * 3 + (PACKED,)  # to 16, 24, .., 192
+    assert [row_class(rows) for rows in (1, 16, 17, 32, 33, 256)] == [0, 15, 16, 16, 17, 19]
     monkeypatch.setattr(packed_linear, "CALIBRATION_WORK", 64 * 32 * 8)
-    assert len(layer.calibrate(clock=lambda: now[0])) == 4  # 1, 2, 4 and 8 rows
+    assert len(layer.calibrate(clock=lambda: now[0])) == 8  # 1 to 8 rows
     layer.ways, ran = (ONE_THREAD, PACKED), []
     layer.run = lambda x, way: ran.append((x.shape[0], way))
     for rows in (1, 2, 3, 300):

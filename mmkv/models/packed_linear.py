@@ -12,8 +12,8 @@ Which is faster for a few rows depends on the machine. On a 2-core Intel Xeon a 
 40-50 us whatever its size, against 10-30 us for ``F.linear``, and MKL spreading a few rows over
 both cores costs more than it saves: a 682 x 128 weight on 9 rows takes 79 us on 2 threads and
 35 us on one. So a small float32 weight (which keeps its plain copy, at most 1.6 MB) is
-*calibrated* when first met: for every row class (1, 2, 3-4, ..., 129-256 rows, while the class's
-work stays small) its three ways, oneDNN packed, ``F.linear`` on the step's threads and
+*calibrated* when first met: for every row class (1, 2, ..., 16, 17-32, ..., 129-256 rows, while
+the class's work stays small) its three ways, oneDNN packed, ``F.linear`` on the step's threads and
 ``F.linear`` with MKL on the calling thread alone (``MKL_Set_Num_Threads_Local``, which leaves
 OpenMP's team, and so the attention kernel and every other operation, as it is), are timed in
 turns, and the fastest median is that class's way. Weights of one shape, dtype and thread count
@@ -77,9 +77,24 @@ def kernel_builds() -> int:
     return len(_BUILT)
 
 
+SINGLE_ROW_CLASSES = 16  # row counts up to this are classes of their own; then 17-32, 33-64, ...
+
+
 def row_class(rows: int) -> int:
-    """The class of a row count: 0 for 1 row, 1 for 2, 2 for 3-4, ..., 8 for 129-256."""
-    return (rows - 1).bit_length()
+    """The class of a row count: ``rows - 1`` up to ``SINGLE_ROW_CLASSES`` rows (a speculative
+    verification's rows at batch 1: where the fastest way changes from one count to the next),
+    then one class per doubling (16 for 17-32 rows, 17 for 33-64, ...)."""
+    if rows <= SINGLE_ROW_CLASSES:
+        return rows - 1
+    return SINGLE_ROW_CLASSES + (rows - 1).bit_length() - SINGLE_ROW_CLASSES.bit_length()
+
+
+def class_rows(c: int) -> int:
+    """The row count a class is timed at: its own, or the middle of its doubling."""
+    if c < SINGLE_ROW_CLASSES:
+        return c + 1
+    high = SINGLE_ROW_CLASSES << (c - SINGLE_ROW_CLASSES + 1)
+    return (high // 2 + 1 + high) // 2
 
 
 @functools.cache
@@ -140,7 +155,7 @@ class PackedLinear:
         chosen = []
         with torch.inference_mode():
             for c in range(row_class(CALIBRATED_ROWS) + 1):
-                rows = 1 << c
+                rows = class_rows(c)
                 if rows * self.elements > CALIBRATION_WORK:
                     break
                 x = torch.randn(rows, self.shape[1], dtype=self.plain.dtype)
