@@ -163,7 +163,8 @@ def test_metadata_is_flashinfer_format():
     assert batch.kv_indices.tolist() == [7, 3, 9, 7, 3, 5, 6]
     assert batch.kv_last_page_len.tolist() == [2, 1]
     assert batch.positions.tolist() == [8, 9, 12]
-    assert batch.write_blocks.tolist() == [9, 9, 6] and batch.write_offsets.tolist() == [0, 1, 0]
+    keys = [9 * 2 * BS + 0, 9 * 2 * BS + 1, 6 * 2 * BS + 0]  # pages 9, 9, 6; slots 0, 1, 0
+    assert batch.write_slots.tolist() == keys + [k + BS for k in keys]  # then their V rows
     one, two = batch.decode  # buckets of 1 and of 2 new tokens
     assert batch.prefill == [] and one.rows.tolist() == [[2]] and two.rows.tolist() == [[0, 1]]
     assert one.positions.tolist() == [[12]] and two.positions.tolist() == [[8, 9]]

@@ -94,8 +94,8 @@ class PagedBatch:
     kv_last_page_len: torch.Tensor  # int32 [B]
     host: HostPages  # the same four arrays on the host
     positions: torch.Tensor  # long [T], position of every new token in its sequence
-    write_blocks: torch.Tensor  # long [T], page that receives each new token's K/V
-    write_offsets: torch.Tensor  # long [T], slot inside that page
+    write_slots: torch.Tensor  # long [2T]: rows of a layer viewed [pages * 2 * block_size, heads,
+    # dim] that receive each new token's K, then each one's V (page * 2 * block_size + slot, + block_size)
     q_lens: list[int]
     kv_lens: list[int]
     prefill: list[int]  # sequences with more than SHORT_QUERY new tokens, attended one at a time
@@ -131,12 +131,11 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
     if not (len(tables) == len(q_lens) == len(kv_lens)):
         raise ValueError("tables, q_lens and kv_lens must have one entry per sequence")
     pages = [t[: -(-n // block_size)] for t, n in zip(tables, kv_lens)]
-    positions, write_blocks, write_offsets = [], [], []
+    positions, key_slots = [], []
     for pg, q, n in zip(pages, q_lens, kv_lens):
         for pos in range(n - q, n):
             positions.append(pos)
-            write_blocks.append(pg[pos // block_size])
-            write_offsets.append(pos % block_size)
+            key_slots.append(pg[pos // block_size] * 2 * block_size + pos % block_size)
     qo = [0]
     kv = [0]
     for q, pg in zip(q_lens, pages):
@@ -160,7 +159,7 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
         qo_indptr=host.qo_indptr.to(device), kv_indptr=host.kv_indptr.to(device),
         kv_indices=host.kv_indices.to(device), kv_last_page_len=host.kv_last_page_len.to(device),
         host=host,
-        positions=i64(positions), write_blocks=i64(write_blocks), write_offsets=i64(write_offsets),
+        positions=i64(positions), write_slots=i64(key_slots + [k + block_size for k in key_slots]),
         q_lens=list(q_lens), kv_lens=list(kv_lens), prefill=prefill,
         prefill_pages=[i64(pages[i]) for i in prefill],
         decode=[plan for _, ids in sorted(buckets.items())
@@ -181,7 +180,7 @@ def next_position(batch: PagedBatch) -> PagedBatch | None:
     host = replace(batch.host, kv_last_page_len=batch.host.kv_last_page_len + 1)
     return replace(batch, kv_last_page_len=batch.kv_last_page_len + 1, host=host,
                    positions=batch.positions + 1,
-                   write_offsets=batch.write_offsets + 1, kv_lens=[n + 1 for n in batch.kv_lens],
+                   write_slots=batch.write_slots + 1, kv_lens=[n + 1 for n in batch.kv_lens],
                    decode=[_next_decode_position(plan) for plan in batch.decode])
 
 
