@@ -24,7 +24,7 @@ from transformers import AttentionInterface, AutoConfig, PretrainedConfig
 from cache import KVLayout
 from mmkv.attention.backend import AttentionBackend
 from mmkv.attention.metadata import CrossBatch, PagedBatch
-from mmkv.models.fused_layer import FusedDecoderLayer, norm_function, rotation_signs, signed_sine
+from mmkv.models.fused_layer import FusedDecoderLayer, norm_function, rotation_signs
 from mmkv.models.packed_linear import PackedLinear, make_linear, release
 from mmkv.models.mrope import MRopePositions
 from vision import PreparedImage, VisionPipeline
@@ -177,7 +177,7 @@ class ModelAdapter:
         if isinstance(self.head, PackedLinear) and head.weight is not self.text_model.embed_tokens.weight:
             release(head)
         self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._rotation_signs: torch.Tensor | None = None  # for signed_sine, made at the first step
+        self._rotation_signs: torch.Tensor | None = None  # rotate's sine signs, made at the first step
         self.final_norm = norm_function(self.text_model.norm)
         embedding = self.text_model.embed_tokens  # a lookup without the module call, where it is one
         self._embedding = embedding if type(embedding) is torch.nn.Embedding and embedding.max_norm is None else None
@@ -254,7 +254,7 @@ class ModelAdapter:
         signs = self._rotation_signs
         if signs is None or signs.dtype != row_sin.dtype or signs.device != row_sin.device:
             signs = self._rotation_signs = rotation_signs(row_sin)
-        row_signed_sin = signed_sine(row_sin, signs)  # the fused layers' form (``rotate``)
+        row_signed_sin = row_sin * signs  # the fused layers' form (``rotate``)
         layers = self.text_model.layers
         for i in range(start, self.num_layers if end is None else end):
             fused = self.fused.get(i)

@@ -60,15 +60,10 @@ def norm_function(module: torch.nn.Module):
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` ``[T, heads, dim]`` with ``cos`` ``[T, 1, dim]`` and the sine with
-    its first half negated (``signed_sine``): transformers' ``x * cos + rotate_half(x) * sin``, the
+    its first half negated (times ``rotation_signs``): transformers' ``x * cos + rotate_half(x) * sin``, the
     same products in the same order with the negation moved from ``x``'s half to the sine's (so
     bit for bit), in one roll instead of two slices, a negation and a concatenation."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
-
-
-def signed_sine(sin: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
-    """``sin`` ``[..., dim]`` with its first half negated (``signs``: ``rotation_signs``)."""
-    return sin * (rotation_signs(sin) if signs is None else signs)
 
 
 def rotation_signs(like: torch.Tensor) -> torch.Tensor:
@@ -155,8 +150,8 @@ class FusedDecoderLayer:
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                  step: StepContext) -> torch.Tensor:
-        """``hidden`` ``[T, hidden]``; ``cos`` and ``signed_sine(sin)`` ``[T, 1, head_dim]`` at the
-        rows' positions."""
+        """``hidden`` ``[T, hidden]``; ``cos`` and the signed sine (``rotate``) ``[T, 1, head_dim]``
+        at the rows' positions."""
         t = hidden.shape[0]
         norm = self.input_norm
         x = rms_norm(hidden, norm.weight, norm.variance_epsilon)

@@ -131,8 +131,7 @@ class PackedLinear:
     enough for ``F.linear`` to win on few rows keeps its plain copy too (at most 1.6 MB), and each
     row class runs the way calibration measured fastest (the module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         weight = weight.detach().contiguous()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = None if bias is None else bias.detach()
@@ -145,7 +144,7 @@ class PackedLinear:
         if small:
             key = (self.shape, weight.dtype, bias is not None, torch.get_num_threads())
             if key not in _CALIBRATED:
-                _CALIBRATED[key] = self.calibrate(clock)
+                _CALIBRATED[key] = self.calibrate()
             self.ways = _CALIBRATED[key]
 
     def calibrate(self, clock: Callable[[], float] = time.perf_counter) -> tuple[str, ...]:
