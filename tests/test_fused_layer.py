@@ -126,7 +126,7 @@ def test_calibration_runs_each_row_class_the_way_it_timed_fastest(monkeypatch):
 
     layer.run = timed_run
     ways = layer.calibrate(clock=lambda: now[0])
-    assert ways == (PLAIN, PLAIN) + (ONE_THREAD,) * 14 + (ONE_THREAD,) * 3 + (PACKED,)  # to 16, 24, .., 192
+    assert ways == (PLAIN, PLAIN) + (ONE_THREAD,) * 17 + (PACKED,)  # 1, 2 | 3 to 16, 24, 48, 96 | 192 rows
     assert [row_class(rows) for rows in (1, 16, 17, 32, 33, 256)] == [0, 15, 16, 16, 17, 19]
     monkeypatch.setattr(packed_linear, "CALIBRATION_WORK", 64 * 32 * 8)
     assert len(layer.calibrate(clock=lambda: now[0])) == 8  # 1 to 8 rows
