@@ -27,7 +27,6 @@ more memory than before.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import statistics
@@ -113,16 +112,6 @@ def _mkl_local_threads() -> Callable[[int], int] | None:
     return None
 
 
-@contextlib.contextmanager
-def _mkl_on_this_thread_only():
-    setter = _mkl_local_threads()
-    setter(1)
-    try:
-        yield
-    finally:
-        setter(0)
-
-
 _CALIBRATED: dict[tuple, tuple[str, ...]] = {}  # (shape, dtype, bias, threads) -> way per row class
 
 
@@ -177,8 +166,12 @@ class PackedLinear:
         if way == PLAIN:
             return F.linear(x, self.plain, self.bias)
         if way == ONE_THREAD:
-            with _mkl_on_this_thread_only():
+            setter = _mkl_local_threads()
+            setter(1)  # MKL on this thread alone, until the call returns
+            try:
                 return F.linear(x, self.plain, self.bias)
+            finally:
+                setter(0)
         rows = x.shape[0]
         padded = padded_rows(rows)
         if padded not in self.row_counts:  # a set of ints here; the shared set only when new
