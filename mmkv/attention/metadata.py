@@ -23,7 +23,7 @@ attention).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -177,17 +177,24 @@ def next_position(batch: PagedBatch) -> PagedBatch | None:
     """
     if any(q != 1 for q in batch.q_lens) or any(n % batch.block_size == 0 for n in batch.kv_lens):
         return None
-    host = replace(batch.host, kv_last_page_len=batch.host.kv_last_page_len + 1)
-    return replace(batch, kv_last_page_len=batch.kv_last_page_len + 1, host=host,
-                   positions=batch.positions + 1,
-                   write_slots=batch.write_slots + 1, kv_lens=[n + 1 for n in batch.kv_lens],
-                   decode=[_next_decode_position(plan) for plan in batch.decode])
+    host = batch.host
+    last = batch.kv_last_page_len + 1
+    # on the CPU the host arrays are the device arrays: one addition serves both
+    host_last = last if host.kv_last_page_len is batch.kv_last_page_len else host.kv_last_page_len + 1
+    return PagedBatch(block_size=batch.block_size, qo_indptr=batch.qo_indptr, kv_indptr=batch.kv_indptr,
+                      kv_indices=batch.kv_indices, kv_last_page_len=last,
+                      host=HostPages(host.qo_indptr, host.kv_indptr, host.kv_indices, host_last),
+                      positions=batch.positions + 1, write_slots=batch.write_slots + 1,
+                      q_lens=batch.q_lens, kv_lens=[n + 1 for n in batch.kv_lens], prefill=batch.prefill,
+                      prefill_pages=batch.prefill_pages,
+                      decode=[_next_decode_position(plan) for plan in batch.decode])
 
 
 def _next_decode_position(plan: DecodePlan) -> DecodePlan:
-    lens, positions = plan.lens + 1, plan.positions + 1
-    return replace(plan, lens=lens, host_lens=[n + 1 for n in plan.host_lens], positions=positions,
-                   biases={})
+    return DecodePlan(rows=plan.rows, pages=plan.pages, lens=plan.lens + 1,
+                      host_lens=[n + 1 for n in plan.host_lens], positions=plan.positions + 1,
+                      key_start=plan.key_start, key_positions=plan.key_positions, groups=plan.groups,
+                      in_order=plan.in_order)
 
 
 def _blocked(lens: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
