@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence as Seq
@@ -99,6 +100,9 @@ class Engine:
         self._arrivals = itertools.count()
         self._counters = {"prompt_tokens": 0, "computed_prefill_tokens": 0, "decode_tokens": 0,
                           "generated_tokens": 0}
+        # seconds in steps that compute more than each sequence's pending token (prompt chunks,
+        # recomputation; a step mixing them with decoding counts here) and in decoding steps
+        self._step_seconds = {"step_seconds_prefill": 0.0, "step_seconds_decode": 0.0}
         self._peak_blocks = 0
         cores = torch.get_num_threads()
         self.decode_threads = DecodeThreads(cores) if self.device.type == "cpu" and cores > 1 else None
@@ -233,14 +237,18 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs of requests that progressed, and of those
         that failed in it (finished, ``error`` set, their blocks released)."""
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         failed = {seq.request_id: err for seq, err in self.scheduler.take_failures()}
         if not batch.seqs and not failed and self.scheduler.has_work():
             raise RuntimeError("the scheduler could not schedule any work")
+        decoding = all(s.num_computed == len(s.token_ids) - 1 for s in batch.seqs)
         plain, spec = self._split_speculative(batch.seqs, batch.q_lens)
         self._peak_blocks = max(self._peak_blocks, self.kv.pool.num_in_use)
         touched: dict[int, None] = {}
         self._run_batch(plain, spec, touched, failed)
+        self._step_seconds["step_seconds_decode" if decoding else "step_seconds_prefill"] += (
+            time.perf_counter() - start)
         outputs = [self._output(r) for r in touched if r not in failed]
         outputs += [self._fail(r, err) for r, err in failed.items()]
         if self.decode_threads and not self.has_unfinished():
@@ -677,11 +685,12 @@ class Engine:
         """Sequences one step may run (the scheduler's limit)."""
         return self.scheduler.config.max_num_seqs
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         pool, pre, sched = self.kv.pool, self.scheduler.preemptions, self.scheduler
         running = {s.request_id for s in sched.running}
         return {
             **self._counters,
+            **{name: round(seconds, 6) for name, seconds in self._step_seconds.items()},
             "requests_running": len(running),
             "requests_waiting": len({s.request_id for s in (*sched.waiting, *sched.swapped)} - running),
             "cached_prompt_tokens": self.scheduler.cached_prompt_tokens,

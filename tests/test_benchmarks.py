@@ -103,20 +103,26 @@ def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     assert (tmp_path / "speedup.png").stat().st_size > 0
     floor = [result[f"plain_vs_plain_{load}_b{b}"] for load in ("scenes", "summaries") for b in (1, 2)]
     assert result["plain_vs_plain_range"] == [min(floor), max(floor)] and min(floor) > 0
+    assert all(result[f"decode_speedup_{cell}"] > 0 for cell in cells)
+    assert 0 < result["prefill_share_plain_b1"] < 1 and 0 < result["prefill_share_plain_b2"] < 1
 
 
 def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypatch, tmp_path):
     """``--all-accepted`` adds ``all_accepted_<method>_<cell>`` and ``_b<batch>``: plain
     decoding's time over the all-accepted runs', as the speedup cells are; ``min_speedup`` is
-    over the real drafts' cells only. (Runs scripted: 2 s plain, early exit 1 s and 0.5 s all
-    accepted, the draft model 2 s and, all accepted, a noisy 4 s.)"""
+    over the real drafts' cells only. The decode-only cells divide the decoding steps' seconds
+    alike, and the prefill share is plain decoding's prompt steps' part of its step time. (Runs
+    scripted: 2 s plain, early exit 1 s and 0.5 s all accepted, the draft model 2 s and, all
+    accepted, a noisy 4 s; 0.5 s of each in prompt steps.)"""
     seconds = {"plain": 2.0, "plain_again": 2.0, "early_exit": 1.0, "early_exit_all_accepted": 0.5,
                "draft": 2.0, "draft_all_accepted": 4.0}
     stats = {"spec_rounds": 1, "spec_drafted_tokens": 1, "spec_accepted_tokens": 1, "spec_decisions": 1,
              "spec_zero_drafts": 0, "spec_seq_mean_draft_length_mean": 1.0, "peak_blocks_in_use": 1}
 
     def scripted(model, prompts, batch, configs, repeats, budget):
-        return {(name, load): [([[1, 2]], seconds[name], stats)] * 3 for name in configs for load in prompts}
+        return {(name, load): [([[1, 2]], seconds[name], {**stats, "run_prefill_seconds": 0.5,
+                                                          "run_decode_seconds": seconds[name] - 0.5})] * 3
+                for name in configs for load in prompts}
 
     monkeypatch.setattr(spec_bench, "interleaved", scripted)
     parser = argparse.ArgumentParser()
@@ -128,18 +134,25 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
         assert result[f"all_accepted_draft_{load}_b8"] == 0.5
     assert result["all_accepted_early_exit_b8"] == 4.0 and result["all_accepted_draft_b8"] == 0.5
     assert result["min_speedup"] == 1.0 and result["min_speedup_cell"].startswith("draft_")
+    for load in ("scenes", "summaries"):
+        assert result[f"decode_speedup_early_exit_{load}_b8"] == 3.0
+        assert result[f"decode_speedup_draft_{load}_b8"] == 1.0
+    assert result["decode_speedup_early_exit_b8"] == 3.0 and result["prefill_share_plain_b8"] == 0.25
 
 
 @pytest.mark.parametrize("method", ["early_exit", "draft_model"])
 def test_an_all_accepted_run_accepts_every_draft_and_keeps_the_outputs(method):
     """``--all-accepted`` drafts the target's own tokens (each round's pass i proposes the token i
-    past the sequence's end): every draft is accepted and the outputs are plain decoding's."""
+    past the sequence's end): every draft is accepted and the outputs are plain decoding's. The
+    run's step seconds leave the engine's warm-up out: they fit in the run's own time."""
     prompts = spec_bench.workloads(3, 11)["summaries"]
     own = spec_bench.own_outputs(spec_bench.BUNDLED_MODEL, prompts, 2)
     config = SpeculativeConfig(method=method, num_tokens=6, draft_length="fixed",
                                draft_model=spec_bench.DRAFT_MODEL if method == "draft_model" else None)
-    outs, _, stats = spec_bench.timed_mmkv(spec_bench.BUNDLED_MODEL, prompts, 2, config, own)
+    outs, seconds, stats = spec_bench.timed_mmkv(spec_bench.BUNDLED_MODEL, prompts, 2, config, own)
     assert outs == list(own.values())
+    assert 0 < stats["run_prefill_seconds"] and 0 < stats["run_decode_seconds"]
+    assert stats["run_prefill_seconds"] + stats["run_decode_seconds"] <= seconds
     assert stats["spec_drafted_tokens"] > 20
     assert stats["spec_accepted_tokens"] == stats["spec_drafted_tokens"]
 

@@ -1,12 +1,15 @@
 """Engine behaviour beyond greedy equality: sampling, streaming, stops, bad input, a soak run."""
 
+import itertools
 import json
 import pickle
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import mmkv.engine as engine_module
 from mmkv import Engine, ModelLoadError, SamplingParams
 from test_engine_oracle import GREEDY, engine as device_engine, prompts
 
@@ -30,6 +33,18 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(model_dirs):
     different = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0.9, seed=99,
                                                       ignore_eos=True))[0].token_ids
     assert different != alone
+
+
+def test_step_seconds_split_prompt_steps_from_decoding_steps(model_dirs, monkeypatch):
+    """A step's seconds count as prefill when it computes more than each sequence's pending token
+    (every chunk of a chunked prompt), else as decoding: on a clock that ticks a second a reading,
+    a 30-token prompt in chunks of 8 and 5 tokens decoded after its first."""
+    ticks = itertools.count()
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    eng = engine(model_dirs, max_num_batched_tokens=8)
+    eng.generate(prompts(21, [30]), SamplingParams(max_tokens=6, ignore_eos=True))
+    stats = eng.stats()
+    assert (stats["step_seconds_prefill"], stats["step_seconds_decode"]) == (4.0, 5.0)
 
 
 def test_streaming_yields_growing_outputs(model_dirs, hf_oracle):

@@ -18,6 +18,13 @@ decoding run twice in each round gives the noise floor (``plain_vs_plain_<cell>`
 the garbage collector paused (``mmkv.bench.timed``). The chart is the speedup against the batch
 size, one line per method and workload.
 
+The speedups are end to end: prompts' prefill, the same work with or without speculation, is in
+both times. ``decode_speedup_<cell>`` is the same paired ratio over the seconds of the engine's
+decoding steps alone (``Engine.stats()["step_seconds_decode"]``: steps that compute no more than
+each sequence's pending token), what speculation does to the time per output token, and
+``prefill_share_plain_b<batch>`` the share of plain decoding's step time spent in prompt steps:
+with a share ``p`` no decoding speedup takes the end-to-end one past ``1 / p``.
+
 With ``--all-accepted`` each method also runs with every draft replaced by the target's own
 greedy token (``Speculator.proposals``; the outputs of a plain run of the same prompts): its
 passes run and are paid for as usual and every draft is accepted, so
@@ -111,8 +118,12 @@ def timed_mmkv(model: Path, prompts: list, batch: int, speculative: SpeculativeC
     engine = fresh_engine(model, prompts, batch, speculative)
     if own is not None:
         engine.speculator.proposals = lambda seq, depth: own[seq.request_id][seq.num_generated + depth]
+    warm = engine.stats()
     outs, seconds = timed(lambda: serve(engine, prompts, batch))
-    return [o.token_ids for o in outs], seconds, engine.stats()
+    stats = engine.stats()
+    for phase in ("prefill", "decode"):  # this run's steps, the warm-up's left out
+        stats[f"run_{phase}_seconds"] = stats[f"step_seconds_{phase}"] - warm[f"step_seconds_{phase}"]
+    return [o.token_ids for o in outs], seconds, stats
 
 
 def own_outputs(model: Path, prompts: list, batch: int) -> dict[int, list[int]]:
@@ -207,6 +218,7 @@ def run(args: argparse.Namespace) -> dict:
         result[f"rounds_b{batch}"] = len(runs["plain", next(iter(loads))])
         outs = {key: rs[0][0] for key, rs in runs.items()}
         seconds = {key: [r[1] for r in rs] for key, rs in runs.items()}
+        decoding = {key: [r[2]["run_decode_seconds"] for r in rs] for key, rs in runs.items()}
         for (name, load), rs in runs.items():
             equal &= all(r[0] == outs["plain", load] for r in rs)
             if name == "plain":
@@ -220,8 +232,10 @@ def run(args: argparse.Namespace) -> dict:
                     paired(seconds["plain", load], seconds[name, load]), 2)
                 continue
             cell, stats = f"{name}_{load}_b{batch}", [r[2] for r in rs]  # every round's run
-            result[f"speedup_{cell}"] = round(paired(seconds["plain", load], seconds[name, load])
-                                              * tokens(outs[name, load]) / tokens(outs["plain", load]), 2)
+            more = tokens(outs[name, load]) / tokens(outs["plain", load])
+            result[f"speedup_{cell}"] = round(paired(seconds["plain", load], seconds[name, load]) * more, 2)
+            result[f"decode_speedup_{cell}"] = round(
+                paired(decoding["plain", load], decoding[name, load]) * more, 2)
             result[f"acceptance_rate_{cell}"] = _merged_stats(stats)["spec_acceptance_rate"]
             result[f"zero_draft_fraction_{cell}"] = round(sum(st["spec_zero_drafts"] for st in stats)
                                                           / max(1, sum(st["spec_decisions"] for st in stats)), 3)
@@ -229,8 +243,10 @@ def run(args: argparse.Namespace) -> dict:
                 st["spec_seq_mean_draft_length_mean"] for st in stats), 4)
             if batch == 1 and load == "summaries":
                 ours[name] = outs[name, load], min(seconds[name, load])
-        both = {name: [sum(per_load) for per_load in zip(*(seconds[name, load] for load in loads))]
-                for name in configs}
+        both, both_decoding = ({name: [sum(per_load) for per_load in zip(*(times[name, load] for load in loads))]
+                                for name in configs} for times in (seconds, decoding))
+        prefill = sum(r[2]["run_prefill_seconds"] for load in loads for r in runs["plain", load])
+        result[f"prefill_share_plain_b{batch}"] = round(prefill / (prefill + sum(both_decoding["plain"])), 3)
         for name in ["plain", *methods]:
             result[f"tokens_per_s_{name}_b{batch}"] = round(
                 sum(tokens(outs[name, load]) for load in loads)
@@ -238,9 +254,11 @@ def run(args: argparse.Namespace) -> dict:
             result[f"peak_blocks_{name}_b{batch}"] = max(r[2]["peak_blocks_in_use"]
                                                          for load in loads for r in runs[name, load])
             if name != "plain":
-                result[f"speedup_{name}_b{batch}"] = round(
-                    paired(both["plain"], both[name]) * sum(tokens(outs[name, load]) for load in loads)
-                    / sum(tokens(outs["plain", load]) for load in loads), 2)
+                more = (sum(tokens(outs[name, load]) for load in loads)
+                        / sum(tokens(outs["plain", load]) for load in loads))
+                result[f"speedup_{name}_b{batch}"] = round(paired(both["plain"], both[name]) * more, 2)
+                result[f"decode_speedup_{name}_b{batch}"] = round(
+                    paired(both_decoding["plain"], both_decoding[name]) * more, 2)
                 stats = _merged_stats([r[2] for load in loads for r in runs[name, load]])
                 result[f"mean_tokens_per_round_{name}_b{batch}"] = stats["spec_mean_tokens_per_round"]
                 if name + ALL_ACCEPTED in configs:
