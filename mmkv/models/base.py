@@ -177,7 +177,8 @@ class ModelAdapter:
         if isinstance(self.head, PackedLinear) and head.weight is not self.text_model.embed_tokens.weight:
             release(head)
         self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._rotation_signs: torch.Tensor | None = None  # rotate's sine signs, made at the first step
+        # (the rotary table it was made from, cos and signed sine [positions, 2, head_dim])
+        self._rotation_table: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.final_norm = norm_function(self.text_model.norm)
         embedding = self.text_model.embed_tokens  # a lookup without the module call, where it is one
         self._embedding = embedding if type(embedding) is torch.nn.Embedding and embedding.max_norm is None else None
@@ -249,24 +250,39 @@ class ModelAdapter:
         """Layers ``[start, end)`` over packed hidden states ``[1, T, hidden]``."""
         positions = step.batch.positions[None]
         rope = positions if step.rope_positions is None else step.rope_positions
-        rotary = self.rotary(hidden, rope, max(step.batch.kv_lens))
-        row_cos, row_sin = rotary[0][0, :, None], rotary[1][0, :, None]  # [T, 1, head_dim]
-        signs = self._rotation_signs
-        if signs is None or signs.dtype != row_sin.dtype or signs.device != row_sin.device:
-            signs = self._rotation_signs = rotation_signs(row_sin)
-        row_signed_sin = row_sin * signs  # the fused layers' form (``rotate``)
+        longest = max(step.batch.kv_lens)
+        rows = rotary = None  # the fused layers' rotation, transformers' layers' (made when first run)
         layers = self.text_model.layers
         for i in range(start, self.num_layers if end is None else end):
             fused = self.fused.get(i)
             if fused is not None:
-                hidden = fused(hidden[0], row_cos, row_signed_sin, step)[None]
+                if rows is None:
+                    rows = self.rotation_rows(hidden, rope, longest)
+                hidden = fused(hidden[0], *rows, step)[None]
             elif i in self.cross_layers:  # families with cross layers define run_cross_layer
                 hidden = self.run_cross_layer(layers[i], hidden, step)
             else:
+                if rotary is None:
+                    rotary = self.rotary(hidden, rope, longest)
                 hidden = layers[i](hidden, position_embeddings=rotary, position_ids=positions,
                                    mmkv_step=step)
             hidden = self.after_layer(i, hidden, step)
         return hidden
+
+    def rotation_rows(self, hidden: torch.Tensor, positions: torch.Tensor,
+                      longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused layers' cos and signed sine (``rotate``) ``[T, 1, head_dim]`` at
+        ``positions``: where the position alone sets them (``rotary_table``), one lookup in a
+        table of both, made with the rotary table; otherwise ``rotary``'s, the sine's signs applied."""
+        table = self.rotary_table(hidden, longest) if positions.shape[0] == 1 else None
+        if table is not None:
+            if self._rotation_table is None or self._rotation_table[0] is not table:
+                signed_sin = table[1] * rotation_signs(table[1])
+                self._rotation_table = (table, torch.stack((table[0], signed_sin), 1))
+            both = self._rotation_table[1].index_select(0, positions[0])  # [T, 2, head_dim]
+            return both[:, :1], both[:, 1:]
+        cos, sin = self.rotary(hidden, positions, longest)
+        return cos[0, :, None], sin[0, :, None] * rotation_signs(sin)
 
     def after_layer(self, i: int, hidden: torch.Tensor, step: StepContext) -> torch.Tensor:
         """What a family adds to the hidden states after layer ``i`` (nothing by default)."""
@@ -302,7 +318,8 @@ class ModelAdapter:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on rows ``[n, hidden]``; float32 logits."""
-        return self.head(self.final_norm(hidden)).float()
+        logits = self.head(self.final_norm(hidden))
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: StepContext,
