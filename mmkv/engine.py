@@ -247,12 +247,12 @@ class Engine:
         self._peak_blocks = max(self._peak_blocks, self.kv.pool.num_in_use)
         touched: dict[int, None] = {}
         self._run_batch(plain, spec, touched, failed)
-        self._step_seconds["step_seconds_decode" if decoding else "step_seconds_prefill"] += (
-            time.perf_counter() - start)
         outputs = [self._output(r) for r in touched if r not in failed]
         outputs += [self._fail(r, err) for r, err in failed.items()]
         if self.decode_threads and not self.has_unfinished():
             self.decode_threads.release()
+        self._step_seconds["step_seconds_decode" if decoding else "step_seconds_prefill"] += (
+            time.perf_counter() - start)
         if self.debug:
             self.kv.check_integrity()
         return outputs
