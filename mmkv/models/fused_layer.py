@@ -17,6 +17,7 @@ the module's, in its order; a concatenated weight gives each output the same dot
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,10 +68,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 
 
 def rotation_signs(like: torch.Tensor) -> torch.Tensor:
-    """-1 over the first half of the last dimension, 1 over the second, in ``like``'s dtype."""
-    half = like.shape[-1] // 2
-    signs = torch.ones(like.shape[-1], dtype=like.dtype, device=like.device)
-    signs[:half] = -1
+    """-1 over the first half of the last dimension, 1 over the second, in ``like``'s dtype and on
+    its device (made once for each: a step multiplies by them; never written to)."""
+    return _signs(like.shape[-1], like.dtype, like.device)
+
+
+@functools.cache
+def _signs(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    signs = torch.ones(size, dtype=dtype, device=device)
+    signs[:size // 2] = -1
     return signs
 
 
