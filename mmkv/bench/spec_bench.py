@@ -211,6 +211,10 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {}
     equal = True
     ours: dict = {}  # batch-1 summaries: what transformers also serves
+    def over_loads(times: dict) -> dict[str, list[float]]:  # each round's seconds, workloads summed
+        return {name: [sum(per_load) for per_load in zip(*(times[name, load] for load in loads))]
+                for name in configs}
+
     for batch in batches:
         subset = {load: prompts[:args.batch1_requests] if batch == 1 else prompts
                   for load, prompts in loads.items()}
@@ -243,8 +247,7 @@ def run(args: argparse.Namespace) -> dict:
                 st["spec_seq_mean_draft_length_mean"] for st in stats), 4)
             if batch == 1 and load == "summaries":
                 ours[name] = outs[name, load], min(seconds[name, load])
-        both, both_decoding = ({name: [sum(per_load) for per_load in zip(*(times[name, load] for load in loads))]
-                                for name in configs} for times in (seconds, decoding))
+        both, both_decoding = over_loads(seconds), over_loads(decoding)
         prefill = sum(r[2]["run_prefill_seconds"] for load in loads for r in runs["plain", load])
         result[f"prefill_share_plain_b{batch}"] = round(prefill / (prefill + sum(both_decoding["plain"])), 3)
         for name in ["plain", *methods]:
