@@ -2,17 +2,18 @@
 
 Each family runs the same requests (prompt chunks, decode steps, a shared prefix served by
 cascade attention) through the fused layers and through transformers' own decoder layers,
-capturing every step's logits. With plain ``F.linear`` (``MMKV_PACK_WEIGHTS=0``) the fused layers
-(and the final norm and embedding lookup, run without their modules' calls) equal the modules bit
-for bit; with weights packed for oneDNN (the CPU default) they agree to
-float rounding and give the same tokens.
+capturing every step's logits. With plain ``F.linear`` (``MMKV_PACK_WEIGHTS=0``) and torch's
+RMSNorm (``MMKV_NATIVE=0``) the fused layers (and the final norm and embedding lookup, run without
+their modules' calls) equal the modules bit for bit; with weights packed for oneDNN and the native
+RMSNorm (the CPU default) they agree to float rounding and give the same tokens.
 """
 
 import pytest
 import torch
 
-from mmkv import SamplingParams
+from mmkv import SamplingParams, native
 from mmkv.models import packed_linear
+from mmkv.models.fused_layer import RMSNorm
 from mmkv.models.packed_linear import ONE_THREAD, PACKED, PLAIN, PackedLinear, padded_rows, row_class
 from test_engine_oracle import engine, prompts
 from test_multimodal import q, vlm_engine
@@ -54,10 +55,17 @@ def assert_same_as_modules(build, requests, monkeypatch) -> None:
     """``build()`` makes an engine; compared: packed fused layers, plain fused layers, modules
     (for cross-attention layers too, where the model has them)."""
     packed = build()
-    assert packed.model.fused and all(isinstance(f.qkv, PackedLinear) for f in packed.model.fused.values())
+    assert packed.model.fused and all(isinstance(f.qkv, PackedLinear) and f.input_norm.kernel is not None
+                                      for f in packed.model.fused.values())
     packed_logits = captured_logits(packed, requests)
     monkeypatch.setenv("MMKV_PACK_WEIGHTS", "0")
-    plain = build()
+    monkeypatch.setenv("MMKV_NATIVE", "0")  # torch's RMSNorm, as the modules run it
+    native.library.cache_clear()
+    try:
+        plain = build()
+    finally:
+        native.library.cache_clear()
+    assert all(norm.kernel is None for f in plain.model.fused.values() for norm in (f.input_norm, f.mlp.norm))
     fused = captured_logits(plain, requests)
     plain.kv.tree.evict(plain.kv.pool.num_blocks)  # the second run reuses nothing cached
     plain.model.fused = {}
@@ -135,3 +143,25 @@ def test_calibration_runs_each_row_class_the_way_it_timed_fastest(monkeypatch):
     for rows in (1, 2, 3, 300):
         layer(torch.zeros(rows, 32))
     assert ran == [(1, ONE_THREAD), (2, PACKED), (3, PACKED), (300, PACKED)]
+
+
+@pytest.mark.parametrize("size", [24, 96, 100, 128, 1024])
+def test_the_native_rms_norm_equals_transformers_norm_up_to_rounding(size):
+    """On float32 rows (one to past the size where the kernel spreads rows over threads) the
+    native RMSNorm agrees with transformers' module to float rounding; rows it does not take
+    (bfloat16, not contiguous) get torch's, bit for bit."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(size)
+    module = LlamaRMSNorm(size, eps=1e-5)
+    module.weight.data = torch.randn(size)
+    norm = RMSNorm(module.weight, module.variance_epsilon)
+    assert norm.kernel is not None
+    for rows in (1, 3, 17, 64):
+        x = torch.randn(rows, size) * 3
+        torch.testing.assert_close(norm(x), module(x), rtol=2e-6, atol=1e-6)
+    x = torch.randn(size, 8).t()
+    assert torch.equal(norm(x), module(x))
+    module_bf16 = LlamaRMSNorm(size, eps=1e-5).to(torch.bfloat16)
+    x = torch.randn(5, size, dtype=torch.bfloat16)
+    assert torch.equal(RMSNorm(module_bf16.weight, module_bf16.variance_epsilon)(x), module_bf16(x))

@@ -9,9 +9,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mmkv import native as native_library
 from mmkv.attention import native
 
 BS = 16
+
+
+def forget_kernels() -> None:
+    """Drop the loaded library and the kernel looked up in it: the next use builds or loads them
+    under the environment and flags of the moment."""
+    native_library.library.cache_clear()
+    native.kernel.cache_clear()
 
 
 def test_the_kernel_builds_on_this_machine():
@@ -24,22 +32,22 @@ def test_a_cpu_engine_builds_the_kernel_before_its_first_request(monkeypatch):
     """The build (about 0.2 s on first use) belongs to start-up, not to a first request's latency."""
     from mmkv.attention.backend import choose_backend
 
-    native.kernel.cache_clear()
+    forget_kernels()
     try:
         choose_backend("torch", torch.device("cpu"), [(torch.float32, 64)])
         assert native.kernel.cache_info().currsize == 1
     finally:
-        native.kernel.cache_clear()
+        forget_kernels()
 
 
 def test_without_the_kernel_the_torch_path_runs(monkeypatch):
     monkeypatch.setenv("MMKV_NATIVE", "0")
-    native.kernel.cache_clear()
+    forget_kernels()
     try:
         assert native.kernel() is None
         assert not native.supports(torch.zeros(1, 1, 1, 8), torch.zeros(2, 2, BS, 1, 8))
     finally:
-        native.kernel.cache_clear()
+        forget_kernels()
 
 
 def reference(q, k, v, q_pos, k_pos, scale, window, prior=None):
@@ -117,9 +125,9 @@ def check_against_dense(p: dict) -> None:
 
 def test_the_portable_build_matches(tmp_path, monkeypatch):
     """Built without AVX-512 (other CPUs), the kernel's plain C loops give the same results."""
-    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-mno-avx512f",))
+    monkeypatch.setattr(native_library, "FLAGS", native_library.FLAGS + ("-mno-avx512f",))
     monkeypatch.setenv("MMKV_NATIVE_CACHE", str(tmp_path))
-    native.kernel.cache_clear()
+    forget_kernels()
     try:
         assert native.kernel() is not None and list(tmp_path.glob("*.so"))
         for seed in range(4):
@@ -128,4 +136,4 @@ def test_the_portable_build_matches(tmp_path, monkeypatch):
                 window=(None, 9)[seed // 2], prior=3 * seed, dtype=(torch.float32, torch.bfloat16)[seed % 2],
                 seed=seed))
     finally:
-        native.kernel.cache_clear()
+        forget_kernels()

@@ -7,12 +7,8 @@ small tensor operations. ``paged_decode.c`` does the per-sequence part in one pa
 sequence and KV head it walks the sequence's pages where they lie, with an online softmax that
 starts from the shared part's state, so nothing is copied, padded or merged afterwards.
 
-It is compiled on first use (a CPU engine asks for it when it starts) with the machine's C
-compiler (``-O3 -march=native -fopenmp``, OpenMP being the runtime torch's CPU build already loads)
-into ``~/.cache/mmkv/native`` (or ``$MMKV_NATIVE_CACHE``), under a name that hashes the source, the
-flags and the CPU, and loaded with ``ctypes``. Without a compiler, or with ``MMKV_NATIVE=0``,
-``kernel()`` is ``None`` and the torch path runs: the kernel is an optimisation, never a
-requirement.
+It is built with mmkv's other native kernels (``mmkv.native``); without a compiler, or with
+``MMKV_NATIVE=0``, ``kernel()`` is ``None`` and the torch path runs.
 
 Guarantees: ``paged_decode`` equals the torch path's attention (dense causal attention over the
 sequence's keys, within the sliding window, merged with the given state) up to float32 rounding,
@@ -24,21 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtypes the kernel reads
+from mmkv import native as native_library
 
-log = logging.getLogger(__name__)
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtypes the kernel reads
 
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
@@ -46,55 +33,10 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ct
              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 
 
-def _cpu_signature() -> str:
-    """What ``-march=native`` compiles for: the CPU's model and feature flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(dict.fromkeys(lines))
-
-
-def _library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
-                            + _cpu_signature().encode()).hexdigest()[:16]
-    root = Path(os.environ.get("MMKV_NATIVE_CACHE") or Path.home() / ".cache" / "mmkv" / "native")
-    return root / f"paged_decode-{digest}.so"
-
-
-def _compile(target: Path) -> None:
-    """Build into a temporary file beside ``target`` and rename it there, so concurrent first uses
-    never load a half-written library."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    compiler = os.environ.get("CC", "cc")
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    try:
-        subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
-
-
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:
     """The compiled ``mmkv_paged_decode``, or ``None`` (disabled, or it could not be built)."""
-    if os.environ.get("MMKV_NATIVE", "1") == "0":
-        return None
-    path = _library_path()
-    try:
-        if not path.exists():
-            _compile(path)
-        function = ctypes.CDLL(str(path)).mmkv_paged_decode
-    except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", None) or err
-        log.warning("mmkv: native decode attention unavailable, using the torch path (%s)", detail)
-        return None
-    function.argtypes = _ARGTYPES
-    function.restype = ctypes.c_int
-    return function
+    return native_library.function("mmkv_paged_decode", _ARGTYPES)
 
 
 def supports(query: torch.Tensor, layer: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ from transformers import AutoImageProcessor, MllamaForConditionalGeneration
 from mmkv.models.base import (ATTENTION_NAME, ImagePlacement, ModelAdapter, StepContext,
                               load_hf_config, resolve_dtype)
 from mmkv.models.causal_lm import from_pretrained
-from mmkv.models.fused_layer import FusedMLP, fused_linear, rms_norm
+from mmkv.models.fused_layer import FusedMLP, RMSNorm, fused_linear
 from vision import PreparedImage, ProcessorEncoder, VisionPipeline
 
 ATTENTION = {"text_config": ATTENTION_NAME, "vision_config": "sdpa", "": "sdpa"}
@@ -73,16 +73,14 @@ class CrossLayerForward:
         self.q_proj = fused_linear([attn.q_proj], pack)
         self.o_proj = fused_linear([attn.o_proj], pack)
         self.mlp = FusedMLP(layer.mlp, layer.post_attention_layernorm, pack)
-        self.input_norm, self.q_norm = layer.input_layernorm, attn.q_norm
+        self.input_norm = RMSNorm(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+        self.q_norm = RMSNorm(attn.q_norm.weight, attn.q_norm.variance_epsilon)
         self.attn_gate = layer.cross_attn_attn_gate.detach().tanh()
         self.mlp_gate = layer.cross_attn_mlp_gate.detach().tanh()
 
     def __call__(self, hidden: torch.Tensor, step: StepContext) -> torch.Tensor:
         t = hidden.shape[0]
-        norm = self.input_norm
-        q = self.q_proj(rms_norm(hidden, norm.weight, norm.variance_epsilon))
-        q = rms_norm(q.view(t, self.num_heads, self.head_dim), self.q_norm.weight,
-                     self.q_norm.variance_epsilon)
+        q = self.q_norm(self.q_proj(self.input_norm(hidden)).view(t, self.num_heads, self.head_dim))
         o = step.backend.cross_attention(step, q, step.kv_layers[self.layer_idx], self.scaling)
         hidden = hidden + self.attn_gate * self.o_proj(o.reshape(t, -1))
         mlp = step.cross.row_mask[:, None].to(hidden.dtype) * self.mlp(hidden)

@@ -1,4 +1,5 @@
-/* Batched decode attention that reads the paged KV cache in place (see mmkv/attention/native.py).
+/* Batched decode attention that reads the paged KV cache in place (see mmkv/attention/native.py;
+ * built by mmkv/native).
  *
  * Cache layout (one layer): [num_blocks][2][block_size][kv_heads][head_dim], K then V in a page,
  * float32 or bfloat16. For each sequence s and KV head h, the m * G query rows (m queries, G query
