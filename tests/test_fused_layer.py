@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mmkv import SamplingParams, native
-from mmkv.models import packed_linear
+from mmkv.models import fused_layer, packed_linear
 from mmkv.models.fused_layer import RMSNorm
 from mmkv.models.packed_linear import ONE_THREAD, PACKED, PLAIN, PackedLinear, padded_rows, row_class
 from test_engine_oracle import engine, prompts
@@ -165,3 +165,28 @@ def test_the_native_rms_norm_equals_transformers_norm_up_to_rounding(size):
     module_bf16 = LlamaRMSNorm(size, eps=1e-5).to(torch.bfloat16)
     x = torch.randn(5, size, dtype=torch.bfloat16)
     assert torch.equal(RMSNorm(module_bf16.weight, module_bf16.variance_epsilon)(x), module_bf16(x))
+
+
+@pytest.mark.parametrize("tokens, q_heads, kv_heads, dim", [(1, 4, 4, 32), (5, 8, 2, 64), (300, 4, 1, 128)])
+def test_the_native_rotary_and_kv_write_equal_the_torch_paths(tokens, q_heads, kv_heads, dim):
+    """``mmkv_rope_write`` rotates the queries and keys of a fused Q/K/V output (rows with a
+    stride past their end, as a padded GEMM output has) as ``rotate`` does, to float rounding,
+    and stores the keys and values in the slots the torch backend's ``write_kv`` would, touching
+    no other element (300 tokens: spread over threads)."""
+    kernel = native.function("mmkv_rope_write", fused_layer._ROPE_WRITE_ARGS, None)
+    torch.manual_seed(tokens)
+    width = (q_heads + 2 * kv_heads) * dim
+    qkv = torch.randn(tokens, width + 8)[:, :width]
+    both = torch.randn(tokens, 2, dim)
+    cos, sin = both[:, :1], both[:, 1:]
+    layer = torch.full((tokens, 2, 16, kv_heads, dim), 7.0)
+    slots = torch.randperm(layer.numel() // (kv_heads * dim))[:2 * tokens]
+    want = layer.clone()
+    qk = fused_layer.rotate(qkv[:, :(q_heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
+    v = qkv[:, (q_heads + kv_heads) * dim:].reshape(tokens, kv_heads, dim)
+    want.view(-1, kv_heads, dim).index_copy_(0, slots, torch.cat((qk[:, q_heads:], v)))
+    q = torch.empty(tokens, q_heads, dim)
+    kernel(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), cos.stride(0), sin.data_ptr(), sin.stride(0),
+           q.data_ptr(), layer.data_ptr(), slots.data_ptr(), tokens, q_heads, kv_heads, dim)
+    torch.testing.assert_close(q, qk[:, :q_heads], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer, want, rtol=1e-6, atol=1e-6)

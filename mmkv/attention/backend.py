@@ -32,6 +32,10 @@ class AttentionBackend(ABC):
     see, zeros for rows of sequences without images; ``write_image_kv`` stores an image's K/V."""
 
     name: ClassVar[str]
+    # write_kv stores key row i at row write_slots[i] of the layer viewed as rows of kv_heads x
+    # head_dim (PagedBatch.write_slots), value row i at write_slots[T + i], and nothing else: a
+    # layer may store them there itself (the fused layers' native rotary embedding does)
+    writes_slots_in_place: ClassVar[bool] = False
 
     @abstractmethod
     def write_kv(self, step: StepContext, layer: torch.Tensor, key: torch.Tensor,

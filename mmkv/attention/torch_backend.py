@@ -239,6 +239,7 @@ class TorchBackend(AttentionBackend):
     """Plain torch on any device and dtype: the reference implementation."""
 
     name = "torch"
+    writes_slots_in_place = True
 
     def write_kv(self, step: StepContext, layer: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor) -> None:

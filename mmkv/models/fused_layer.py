@@ -10,9 +10,11 @@ fifteen Python calls per layer. ``FusedDecoderLayer`` runs the same operations o
 concatenated once at load and the modules' parameters become views of the concatenation (no
 second copy; the modules still work).
 
-Invariant: in float32 the output equals the transformers module's bit for bit (each operation is
-the module's, in its order; a concatenated weight gives each output the same dot product), which
-``tests/test_fused_layer.py`` (for Qwen-VL ``tests/test_qwen_vl.py``) checks on every family.
+Invariant: in float32 with torch's operations (plain linear layers, ``MMKV_NATIVE=0``) the output
+equals the transformers module's bit for bit (each operation is the module's, in its order; a
+concatenated weight gives each output the same dot product); with the CPU's packed weights and
+native kernels, up to float rounding. ``tests/test_fused_layer.py`` (for Qwen-VL
+``tests/test_qwen_vl.py``) checks both on every family.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ class RMSNorm:
         self.kernel(hidden.data_ptr(), self.weight.data_ptr(), out.data_ptr(), hidden.numel() // size,
                     size, self.eps)
         return out
+
+
+_ROPE_WRITE_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                    ctypes.c_int, ctypes.c_int, ctypes.c_int]
 
 
 SILU_MODULES = ("SiLUActivation", "SiLU")  # transformers' and torch's SiLU modules
@@ -163,8 +170,12 @@ class FusedMLP:
 class FusedDecoderLayer:
     """One decoder layer's forward on packed rows. Guarantees: ``layer(hidden, cos, sin, step)``
     equals the module's output for the same rows, positions and paged context, and writes the
-    same K/V: bit for bit in float32 with plain linear layers, up to the GEMM's summation order
-    with weights packed for the CPU (``packed_linear``)."""
+    same K/V: bit for bit in float32 with plain linear layers and torch's operations
+    (``MMKV_NATIVE=0``), up to float rounding with weights packed for the CPU (``packed_linear``)
+    and the native kernels. On the CPU in float32, with a backend that stores K/V at the step's
+    write slots, one native call (``mmkv/native/rope_write.c``) rotates Q and K and stores K and
+    V: the split, the rotation's four operations, the concatenation and the copy took about 35 us
+    a decode row, the call 4."""
 
     def __init__(self, module: torch.nn.Module, pack: bool) -> None:
         attn, mlp = module.self_attn, module.mlp
@@ -179,6 +190,9 @@ class FusedDecoderLayer:
         self.split = [(self.num_heads + self.num_kv_heads) * self.head_dim,
                       self.num_kv_heads * self.head_dim]
         self.heads = [self.num_heads, self.num_kv_heads]
+        weight = attn.q_proj.weight  # read before packing releases it
+        self.rope_write = (native.function("mmkv_rope_write", _ROPE_WRITE_ARGS, None)
+                           if weight.device.type == "cpu" and weight.dtype == torch.float32 else None)
         self.qkv = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
         self.o_proj = fused_linear([attn.o_proj], pack)
         self.mlp = FusedMLP(mlp, module.post_attention_layernorm, pack)
@@ -193,12 +207,22 @@ class FusedDecoderLayer:
         """``hidden`` ``[T, hidden]``; ``cos`` and the signed sine (``rotate``) ``[T, 1, head_dim]``
         at the rows' positions."""
         t = hidden.shape[0]
-        x = self.input_norm(hidden)
-        qk, v = self.qkv(x).split_with_sizes(self.split, -1)
-        qk = rotate(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, signed_sin)
-        q, k = qk.split_with_sizes(self.heads, 1)
+        qkv = self.qkv(self.input_norm(hidden))
         layer = step.kv_layers[self.layer_idx]
-        step.backend.write_kv(step, layer, k, v.view(t, self.num_kv_heads, self.head_dim))
+        if (self.rope_write is not None and step.backend.writes_slots_in_place
+                and qkv.dtype == cos.dtype == signed_sin.dtype == layer.dtype == torch.float32
+                and layer.is_contiguous()
+                and qkv.stride(-1) == cos.stride(-1) == signed_sin.stride(-1) == 1):
+            q = torch.empty((t, self.num_heads, self.head_dim), dtype=qkv.dtype)  # K, V: the cache
+            self.rope_write(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), cos.stride(0),
+                            signed_sin.data_ptr(), signed_sin.stride(0), q.data_ptr(), layer.data_ptr(),
+                            step.batch.write_slots.data_ptr(), t, self.num_heads, self.num_kv_heads,
+                            self.head_dim)
+        else:
+            qk, v = qkv.split_with_sizes(self.split, -1)
+            qk = rotate(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, signed_sin)
+            q, k = qk.split_with_sizes(self.heads, 1)
+            step.backend.write_kv(step, layer, k, v.view(t, self.num_kv_heads, self.head_dim))
         out = step.backend.attention(step, q, layer, self.scaling, self.sliding_window)
         hidden = hidden + self.o_proj(out.reshape(t, -1))
         return hidden + self.mlp(hidden)
