@@ -155,7 +155,7 @@ def test_the_native_rms_norm_equals_transformers_norm_up_to_rounding(size):
     torch.manual_seed(size)
     module = LlamaRMSNorm(size, eps=1e-5)
     module.weight.data = torch.randn(size)
-    norm = RMSNorm(module.weight, module.variance_epsilon)
+    norm = RMSNorm.of(module)
     assert norm.kernel is not None
     for rows in (1, 3, 17, 64):
         x = torch.randn(rows, size) * 3
@@ -164,7 +164,7 @@ def test_the_native_rms_norm_equals_transformers_norm_up_to_rounding(size):
     assert torch.equal(norm(x), module(x))
     module_bf16 = LlamaRMSNorm(size, eps=1e-5).to(torch.bfloat16)
     x = torch.randn(5, size, dtype=torch.bfloat16)
-    assert torch.equal(RMSNorm(module_bf16.weight, module_bf16.variance_epsilon)(x), module_bf16(x))
+    assert torch.equal(RMSNorm.of(module_bf16)(x), module_bf16(x))
 
 
 @pytest.mark.parametrize("tokens, q_heads, kv_heads, dim", [(1, 4, 4, 32), (5, 8, 2, 64), (300, 4, 1, 128)])

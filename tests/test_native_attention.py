@@ -29,7 +29,7 @@ def test_the_kernel_builds_on_this_machine():
 
 
 def test_a_cpu_engine_builds_the_kernel_before_its_first_request(monkeypatch):
-    """The build (about 0.2 s on first use) belongs to start-up, not to a first request's latency."""
+    """The build (about a second on first use) belongs to start-up, not to a first request's latency."""
     from mmkv.attention.backend import choose_backend
 
     forget_kernels()

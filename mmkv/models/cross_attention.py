@@ -73,8 +73,7 @@ class CrossLayerForward:
         self.q_proj = fused_linear([attn.q_proj], pack)
         self.o_proj = fused_linear([attn.o_proj], pack)
         self.mlp = FusedMLP(layer.mlp, layer.post_attention_layernorm, pack)
-        self.input_norm = RMSNorm(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-        self.q_norm = RMSNorm(attn.q_norm.weight, attn.q_norm.variance_epsilon)
+        self.input_norm, self.q_norm = RMSNorm.of(layer.input_layernorm), RMSNorm.of(attn.q_norm)
         self.attn_gate = layer.cross_attn_attn_gate.detach().tanh()
         self.mlp_gate = layer.cross_attn_mlp_gate.detach().tanh()
 

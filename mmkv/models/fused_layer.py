@@ -67,6 +67,11 @@ class RMSNorm:
                        if weight.device.type == "cpu" and weight.dtype == torch.float32
                        and weight.is_contiguous() else None)
 
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> RMSNorm:
+        """The norm of an RMSNorm module (its ``weight`` and ``variance_epsilon``)."""
+        return cls(module.weight, module.variance_epsilon)
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.kernel is None or hidden.dtype != torch.float32 or not hidden.is_contiguous():
             return rms_norm(hidden, self.weight, self.eps)
@@ -94,7 +99,7 @@ def norm_function(module: torch.nn.Module):
     ``RMS_NORMS``, else the module itself."""
     if type(module).__name__ not in RMS_NORMS:
         return module
-    return RMSNorm(module.weight, module.variance_epsilon)
+    return RMSNorm.of(module)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -159,7 +164,7 @@ class FusedMLP:
         self.down_proj = fused_linear([mlp.down_proj], pack)
         # SiLU without its module's call (the same function; the call cost more than it on a row)
         self.act = F.silu if type(mlp.act_fn).__name__ in SILU_MODULES else mlp.act_fn
-        self.norm = RMSNorm(norm.weight, norm.variance_epsilon)
+        self.norm = RMSNorm.of(norm)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.norm(hidden)
@@ -196,7 +201,7 @@ class FusedDecoderLayer:
         self.qkv = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
         self.o_proj = fused_linear([attn.o_proj], pack)
         self.mlp = FusedMLP(mlp, module.post_attention_layernorm, pack)
-        self.input_norm = RMSNorm(module.input_layernorm.weight, module.input_layernorm.variance_epsilon)
+        self.input_norm = RMSNorm.of(module.input_layernorm)
 
     @staticmethod
     def supports(module: torch.nn.Module) -> bool:
