@@ -8,8 +8,10 @@ from typing import Callable
 import pytest
 import torch
 
+import mmkv.native
 from mmkv import Engine, SamplingParams
 from mmkv.models import MmkvVLM
+from mmkv.sampler import top_tokens, top_tokens_kernel
 from mmkv.sequence import Sequence
 from mmkv.speculation import Speculator, _draft
 from speculative import PassCosts, SpeculativeConfig
@@ -76,6 +78,36 @@ def test_a_draft_pass_keeps_each_rows_token_and_confidence():
         assert drafted[row][2] == pytest.approx(torch.softmax(logits[row], -1).max().item())
     assert drafted[2][1].sum().item() == pytest.approx(1.0) and drafted[2][2] > 0.99
     assert all(confidence is None for _, _, confidence in _draft(seqs[:2], logits[:2], False))
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_top_tokens_are_the_argmax_and_its_probability(native, monkeypatch):
+    """``top_tokens`` (the native kernel, and torch's path with ``MMKV_NATIVE=0``) against torch's
+    argmax and softmax's largest value: on wide random rows, on rows whose largest value repeats
+    (the first wins, as torch's argmax), on a NaN row (NaN wins), on a row mostly -inf, on strided rows (a slice of
+    a wider tensor, as the rows of a packed pass), and on one row."""
+    monkeypatch.setenv("MMKV_NATIVE", native)
+    mmkv.native.library.cache_clear()
+    top_tokens_kernel.cache_clear()
+    try:
+        assert (top_tokens_kernel() is None) == (native == "0")
+        gen = torch.Generator().manual_seed(0)
+        wide = torch.randn(9, 2051, generator=gen) * 4
+        wide[1, [7, 300, 2000]] = 50.0  # a repeated maximum
+        wide[2, 5:] = 0.0
+        wide[2, 1000] = float("nan")
+        wide[4, :700] = float("-inf")  # masked out
+        cases = [wide[:, :1024], wide[:, 1:2000], wide[3:4, :1024], wide[:, :2051]]
+        for logits in cases:
+            tokens, probs = top_tokens(logits, with_probs=True)
+            assert tokens == logits.argmax(dim=-1).tolist()
+            assert top_tokens(logits)[1] is None and top_tokens(logits)[0] == tokens
+            want = torch.softmax(logits.double(), -1).max(dim=-1).values
+            finite = ~torch.isnan(want)
+            assert torch.allclose(torch.tensor(probs, dtype=torch.float64)[finite], want[finite], rtol=1e-5)
+    finally:
+        mmkv.native.library.cache_clear()
+        top_tokens_kernel.cache_clear()
 
 
 class ScriptedDraft(Speculator):
