@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 SHORT_QUERY = 64  # most new tokens of a sequence attended in the batched (short-query) path
@@ -55,7 +56,8 @@ class DecodePlan:
     """How one bucket of short-query sequences is attended, batched. Queries are padded to the
     bucket's longest by repeating a sequence's last one (same row, same position, so the same
     result). What no query may see (padding and later positions) is the same for every layer, so
-    its mask is built once per step, when a layer first asks for it (a lone sequence needs none)."""
+    its mask is built once per step, when a layer first asks for it (the native kernel and a lone
+    sequence need none)."""
 
     rows: torch.Tensor  # long [d, m], packed token row of each sequence's queries
     pages: torch.Tensor  # long [d, max_pages], each sequence's pages after its shared ones (padded)
@@ -63,19 +65,21 @@ class DecodePlan:
     host_lens: list[int]  # the same, on the host
     positions: torch.Tensor  # long [d, m], absolute position of each query
     key_start: torch.Tensor  # long [d], absolute position of the first slot of those pages
-    key_positions: torch.Tensor  # long [d, L], absolute position of each slot of those pages
     groups: list[CascadeGroup]
     in_order: bool = False  # rows is arange(d * m).view(d, m): the first d sequences, m rows each
     biases: dict = field(default_factory=dict)  # additive masks built for this step, by bias()
 
-    def bias(self, group_size: int, window: int | None) -> torch.Tensor:
+    def bias(self, group_size: int, window: int | None, block_size: int) -> torch.Tensor:
         """Additive mask (0 / -inf) ``[d, 1, m * group_size, L]`` for query rows laid out query-major
         with ``group_size`` query heads per KV head, built once per step for each layout."""
         key = (group_size, window)
         if key not in self.biases:
-            blocked = _blocked(self.lens, self.positions, self.key_positions)
+            # the absolute position of each slot of the sequence's pages [d, L]
+            key_positions = self.key_start[:, None] + torch.arange(self.pages.shape[1] * block_size,
+                                                                   device=self.pages.device)
+            blocked = _blocked(self.lens, self.positions, key_positions)
             if window is not None:
-                blocked = blocked | (self.key_positions[:, None, :]
+                blocked = blocked | (key_positions[:, None, :]
                                      <= self.positions[:, :, None] - window)[:, None, :, None, :]
             d, _, m, _, length = blocked.shape
             bias = torch.zeros((d, 1, m, group_size, length), device=blocked.device)
@@ -142,10 +146,7 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
         qo.append(qo[-1] + q)
         kv.append(kv[-1] + len(pg))
 
-    def i64(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.long, device=device)
-
-    host = HostPages(*(torch.tensor(x, dtype=torch.int32) for x in (
+    host = HostPages(*(_ints(x, np.int32) for x in (
         qo, kv, [p for pg in pages for p in pg], [(n - 1) % block_size + 1 for n in kv_lens])))
     buckets: dict[int, list[int]] = {}
     prefill = []
@@ -159,12 +160,25 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
         qo_indptr=host.qo_indptr.to(device), kv_indptr=host.kv_indptr.to(device),
         kv_indices=host.kv_indices.to(device), kv_last_page_len=host.kv_last_page_len.to(device),
         host=host,
-        positions=i64(positions), write_slots=i64(key_slots + [k + block_size for k in key_slots]),
+        positions=_longs(positions, device),
+        write_slots=_longs(key_slots + [k + block_size for k in key_slots], device),
         q_lens=list(q_lens), kv_lens=list(kv_lens), prefill=prefill,
-        prefill_pages=[i64(pages[i]) for i in prefill],
+        prefill_pages=[_longs(pages[i], device) for i in prefill],
         decode=[plan for _, ids in sorted(buckets.items())
                 for plan in _plan_decode(ids, pages, q_lens, kv_lens, qo, block_size, device, cascade)],
     )
+
+
+def _ints(values: list, dtype: type) -> torch.Tensor:
+    """A host tensor of ``values`` (a list, or a list of equal-length lists). Through numpy: on
+    the CPU ``torch.tensor`` costs about 10 us a call whatever the list's length, and a step's
+    metadata is a dozen short arrays."""
+    return torch.from_numpy(np.array(values, dtype=dtype))
+
+
+def _longs(values: list, device: torch.device) -> torch.Tensor:
+    """``values`` as a long tensor on ``device``."""
+    return _ints(values, np.int64).to(device)
 
 
 def next_position(batch: PagedBatch) -> PagedBatch | None:
@@ -193,8 +207,7 @@ def next_position(batch: PagedBatch) -> PagedBatch | None:
 def _next_decode_position(plan: DecodePlan) -> DecodePlan:
     return DecodePlan(rows=plan.rows, pages=plan.pages, lens=plan.lens + 1,
                       host_lens=[n + 1 for n in plan.host_lens], positions=plan.positions + 1,
-                      key_start=plan.key_start, key_positions=plan.key_positions, groups=plan.groups,
-                      in_order=plan.in_order)
+                      key_start=plan.key_start, groups=plan.groups, in_order=plan.in_order)
 
 
 def _blocked(lens: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -249,8 +262,7 @@ def _decode_plan(units: list[tuple[tuple[int, int], list[int]]], pages: list[lis
         if n:
             groups.append(CascadeGroup(
                 members=torch.arange(start, start + len(seqs), dtype=torch.long, device=device),
-                shared_pages=torch.tensor(pages[seqs[0]][:n], dtype=torch.long, device=device),
-                seqs=seqs, num_pages=n))
+                shared_pages=_longs(pages[seqs[0]][:n], device), seqs=seqs, num_pages=n))
         start += len(seqs)
     suffix = [pages[i][shared[i]:] for i in ids]
     width = max(len(s) for s in suffix)
@@ -258,16 +270,11 @@ def _decode_plan(units: list[tuple[tuple[int, int], list[int]]], pages: list[lis
     m = max(q_lens[i] for i in ids)
     rows = [[qo[i] + min(j, q_lens[i] - 1) for j in range(m)] for i in ids]
     lens = [kv_lens[i] - shared[i] * block_size for i in ids]
-    lens_t = torch.tensor(lens, dtype=torch.long, device=device)
-    positions = torch.tensor([[kv_lens[i] - q_lens[i] + min(j, q_lens[i] - 1) for j in range(m)]
-                              for i in ids], dtype=torch.long, device=device)
-    key_start = torch.tensor([kv_lens[i] for i in ids], device=device) - lens_t
-    key_positions = key_start[:, None] + torch.arange(width * block_size, device=device)
+    positions = [[kv_lens[i] - q_lens[i] + min(j, q_lens[i] - 1) for j in range(m)] for i in ids]
     return DecodePlan(
-        rows=torch.tensor(rows, dtype=torch.long, device=device),
-        pages=torch.tensor(padded, dtype=torch.long, device=device),
-        lens=lens_t, host_lens=lens, positions=positions, key_start=key_start,
-        key_positions=key_positions,
+        rows=_longs(rows, device), pages=_longs(padded, device), lens=_longs(lens, device),
+        host_lens=lens, positions=_longs(positions, device),
+        key_start=_longs([shared[i] * block_size for i in ids], device),
         groups=groups,
         in_order=ids == list(range(len(ids))) and all(q_lens[i] == m for i in ids),
     )

@@ -150,7 +150,7 @@ def _decode(q: torch.Tensor, layer: torch.Tensor, plan: DecodePlan, block_size: 
     k = k.view(d, length, hkv, dim).transpose(1, 2)  # [d, Hkv, L, D]
     v = v.view(d, length, hkv, dim).transpose(1, 2)
     groups_q = _query_groups(q, hkv)
-    out, lse = _attend_with_lse(groups_q, k, v, plan.bias(hq // hkv, window), scale)
+    out, lse = _attend_with_lse(groups_q, k, v, plan.bias(hq // hkv, window, block_size), scale)
     for group in plan.groups:
         s_out, s_lse = _attend_shared(groups_q[group.members], layer, group, block_size, scale)
         out[group.members] = merge_states(s_out, s_lse, out[group.members], lse[group.members])
