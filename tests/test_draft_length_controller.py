@@ -424,6 +424,37 @@ def test_a_fit_read_before_any_pass_does_not_clip_the_passes_that_follow():
     assert fit.predict(400, 40_000, 4) == pytest.approx(0.004, rel=0.05)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.none() | st.tuples(st.integers(1, 800), st.integers(1, 64), st.integers(0, 40_000),
+                                      st.booleans(), st.floats(1e-4, 5e-2)), min_size=1, max_size=60))
+def test_observations_folded_together_equal_one_at_a_time(steps):
+    """The fit keeps its observations and folds them in when it is read (``None``: a read, which
+    solves the fit). Against folding each as it comes, weighed against the fit solved at the last
+    read (slower than its prediction: ``SLOW_WEIGHT``, at most ``SPIKE`` times it)."""
+    fit = LinearFit()
+    gram = [[0.0] * cost_model.NUM_FEATURES for _ in range(cost_model.NUM_FEATURES)]
+    moment = [0.0] * cost_model.NUM_FEATURES
+    solved = None
+    for step in steps:
+        if step is None:
+            theta = fit.theta
+            solved = theta if gram[0][0] > 0.0 else solved
+            continue
+        rows, sequences, context, extra, seconds = step
+        fit.observe(rows, context, seconds, sequences, extra)
+        x = cost_model._features(rows, context, sequences, extra)
+        w = 1.0
+        if solved is not None:
+            expected = max(sum(t * f for t, f in zip(solved, x)), 1e-7)
+            if seconds > expected:
+                seconds, w = min(seconds, cost_model.SPIKE * expected), cost_model.SLOW_WEIGHT
+        moment = [fit.decay * m + w * f * seconds for m, f in zip(moment, x)]
+        gram = [[fit.decay * g + w * a * b for g, b in zip(row, x)] for row, a in zip(gram, x)]
+    assert fit.moment == pytest.approx(moment, rel=1e-9, abs=1e-15)
+    for got, want in zip(fit.gram, gram):
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-15)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 800), st.integers(1, 64), st.integers(0, 40_000),
                           st.booleans(), st.floats(1e-4, 5e-2)), min_size=1, max_size=40))
