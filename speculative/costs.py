@@ -143,6 +143,8 @@ class LinearFit:
         meets the optimality conditions of this convex problem, so it is the constrained optimum
         (one or two solves, usually); should the sets cycle, every set is tried."""
         if self._theta is None:
+            if self._pending:
+                self._fold()  # what follows reads the folded Gram matrix and moments
             free = list(range(NUM_FEATURES))
             for _ in range(ACTIVE_SET_STEPS):
                 theta = self._solve(tuple(free))
@@ -159,15 +161,16 @@ class LinearFit:
                 theta = min((self._solve((0, *kept)) for kept in SLOPE_SETS),
                             key=lambda t: self.objective(t) if min(t[1:]) >= 0.0 else float("inf"))
             self._theta = theta
-            if self.gram[0][0] > 0.0:  # solved from passes: later ones are weighed against it
+            if self._gram[0][0] > 0.0:  # solved from passes: later ones are weighed against it
                 self._solved = theta
         return self._theta
 
     def _gradient(self, theta: tuple[float, ...]) -> list[float]:
         """Half the objective's gradient: ``(G + ridge) theta - m``."""
         n = NUM_FEATURES
-        return [sum(self.gram[i][j] * theta[j] for j in range(n)) + self.ridge * theta[i]
-                - self.moment[i] for i in range(n)]
+        gram, moment = self.gram, self.moment
+        return [sum(gram[i][j] * theta[j] for j in range(n)) + self.ridge * theta[i] - moment[i]
+                for i in range(n)]
 
     def objective(self, theta: tuple[float, ...]) -> float:
         """The ridge-weighted squared error of ``theta`` less its constant part:
@@ -176,7 +179,8 @@ class LinearFit:
 
     def _solve(self, kept: tuple[int, ...]) -> tuple[float, ...]:
         """The ridge fit on the features ``kept`` (the others' coefficients 0)."""
-        a = [[self.gram[i][j] + (self.ridge if i == j else 0.0) for j in kept] + [self.moment[i]]
+        gram, moment = self._gram, self._moment  # folded by theta, the only caller
+        a = [[gram[i][j] + (self.ridge if i == j else 0.0) for j in kept] + [moment[i]]
              for i in kept]
         theta = [0.0] * NUM_FEATURES
         for i, value in zip(kept, _solve(a)):
