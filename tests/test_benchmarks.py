@@ -170,6 +170,42 @@ def test_short_runs_get_more_rounds_up_to_a_cap(monkeypatch, seconds, rounds):
     assert len(calls) == 2 * (rounds + 1)
 
 
+@pytest.mark.parametrize("all_accepted", [False, True])
+def test_every_speedup_is_paired_with_the_plain_run_beside_it(monkeypatch, tmp_path, all_accepted):
+    """In either direction of a round each method runs next to ``plain`` and each all-accepted
+    config next to ``plain_again``, the baselines their speedups divide (scripted: ``plain``
+    takes 2 s, ``plain_again`` 4 s, every other config 1 s)."""
+    orders = []
+
+    def scripted(model, prompts, batch, configs, repeats, budget):
+        orders.append(list(configs))
+        return {(name, load): [([[1, 2]], {"plain": 2.0, "plain_again": 4.0}.get(name, 1.0),
+                                {"spec_rounds": 1, "spec_drafted_tokens": 1, "spec_accepted_tokens": 1,
+                                 "spec_decisions": 1, "spec_zero_drafts": 0, "peak_blocks_in_use": 1,
+                                 "spec_seq_mean_draft_length_mean": 1.0, "run_prefill_seconds": 0.1,
+                                 "run_decode_seconds": 0.5})] * 3
+                for name in configs for load in prompts}
+
+    monkeypatch.setattr(spec_bench, "interleaved", scripted)
+    parser = argparse.ArgumentParser()
+    spec_bench.add_arguments(parser)
+    result = spec_bench.run(parser.parse_args(["--batches", "8", "--requests", "2", "--chart",
+                                               str(tmp_path / "chart.png")]
+                                              + ["--all-accepted"] * all_accepted))
+    order = orders[0]
+    for direction in (order, order[::-1]):
+        for method in spec_bench.METHODS:
+            beside = {direction[i] for i in (direction.index(method) - 1, direction.index(method) + 1)
+                      if 0 <= i < len(direction)}
+            assert "plain" in beside
+            if all_accepted:
+                at = direction.index(method + spec_bench.ALL_ACCEPTED)
+                assert "plain_again" in {direction[i] for i in (at - 1, at + 1) if 0 <= i < len(direction)}
+    assert result["speedup_draft_summaries_b8"] == 2.0 and result["plain_vs_plain_range"] == [0.5, 0.5]
+    if all_accepted:
+        assert result["all_accepted_draft_summaries_b8"] == 4.0 and result["all_accepted_early_exit_b8"] == 4.0
+
+
 def test_paired_speedup_compares_runs_of_the_same_round():
     """The machine slowed down for a round: the variant's runs beside plain decoding's still show
     it 10 % faster, where the fastest runs of each would compare a fast round with a slow one."""
