@@ -86,6 +86,7 @@ class LinearFit:
     _pending: list[tuple[tuple[float, ...], float]] = field(default_factory=list)  # not folded yet
     _theta: tuple[float, ...] | None = None  # None: observed since last solved
     _solved: tuple[float, ...] | None = None  # the last fit solved from passes
+    _free: tuple[int, ...] = tuple(range(NUM_FEATURES))  # the last solve's free coefficients
 
     def observe(self, rows: float, context: float, seconds: float,
                 sequences: float | None = None, extra: bool = False) -> None:
@@ -141,11 +142,13 @@ class LinearFit:
         slope is held at 0 and the fit solved again; once every free slope is at least 0, a held
         one whose gradient says the error falls if it grows is freed. A fit where neither applies
         meets the optimality conditions of this convex problem, so it is the constrained optimum
-        (one or two solves, usually); should the sets cycle, every set is tried."""
+        from whichever set it starts; it starts from the last solve's, which a few more passes
+        seldom change (one solve and one gradient then, about a third of starting from every
+        slope free); should the sets cycle, every set is tried."""
         if self._theta is None:
             if self._pending:
                 self._fold()  # what follows reads the folded Gram matrix and moments
-            free = list(range(NUM_FEATURES))
+            free = list(self._free)
             for _ in range(ACTIVE_SET_STEPS):
                 theta = self._solve(tuple(free))
                 negative = [i for i in free[1:] if theta[i] < 0.0]
@@ -158,9 +161,10 @@ class LinearFit:
                     break
                 free = sorted([*free, min(growing, key=lambda i: gradient[i])])
             else:
+                free = list(range(NUM_FEATURES))
                 theta = min((self._solve((0, *kept)) for kept in SLOPE_SETS),
                             key=lambda t: self.objective(t) if min(t[1:]) >= 0.0 else float("inf"))
-            self._theta = theta
+            self._theta, self._free = theta, tuple(free)
             if self._gram[0][0] > 0.0:  # solved from passes: later ones are weighed against it
                 self._solved = theta
         return self._theta
