@@ -20,6 +20,7 @@ from mmkv.attention.backend import AttentionBackend, choose_backend
 from mmkv.attention.metadata import CrossSequence, plan_batch, plan_cross
 from mmkv.cpu_threads import DecodeThreads
 from mmkv.detokenizer import IncrementalText, StreamTexts
+from mmkv.host_arrays import longs
 from mmkv.image_kv import CrossAttentionKV
 from mmkv.models import MRopePositions, StepContext, load_model, resolve_device
 from mmkv.models.mrope import step_positions
@@ -375,13 +376,11 @@ class Engine:
         indices of those sequences). Writes K/V only into the reserved slots, so it can rerun."""
         kv_lens = [s.num_computed + q for s, q in zip(seqs, q_lens)]
         step = self._context(seqs, q_lens, kv_lens)
-        input_ids = torch.tensor([t for s, q in zip(seqs, q_lens)
-                                  for t in s.token_ids[s.num_computed:s.num_computed + q]],
-                                 dtype=torch.long, device=self.device)
+        input_ids = longs([t for s, q in zip(seqs, q_lens)
+                           for t in s.token_ids[s.num_computed:s.num_computed + q]], self.device)
         starts = step.batch.host.qo_indptr[:-1].tolist()
         sampling = [i for i, (s, n) in enumerate(zip(seqs, kv_lens)) if n == len(s.token_ids)]
-        rows = torch.tensor([starts[i] + q_lens[i] - 1 for i in sampling], dtype=torch.long,
-                            device=self.device)
+        rows = longs([starts[i] + q_lens[i] - 1 for i in sampling], self.device)
         logits = self.model.forward(input_ids, step, rows)
         if self.speculator is not None:
             self.speculator.follow(input_ids, step, seqs, q_lens)

@@ -51,6 +51,7 @@ import torch
 
 from cache import KVCache
 from mmkv.attention.metadata import next_position
+from mmkv.host_arrays import longs
 from mmkv.models import ModelAdapter, StepContext
 from mmkv.models.packed_linear import kernel_builds
 from mmkv.sampler import filtered_probs, top_tokens
@@ -276,7 +277,7 @@ class EarlyExitSpeculator(Speculator):
 
     def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
         step = self._draft_context(seqs, kv_lens, live, images=True)
-        ids = torch.tensor(tokens, dtype=torch.long, device=step.batch.positions.device)
+        ids = longs(tokens, step.batch.positions.device)
         h = self.model.run_layers(self.model.embed(ids, step), step, 0, self.k)[0]
         for r, b in enumerate(live):
             self.hidden[b].append(h[r])
@@ -355,8 +356,8 @@ class DraftModelSpeculator(Speculator):
         ends = [len(s.token_ids) - 1 for s, _ in behind]
         step = self.context([s for s, _ in behind], [e - v for (_, v), e in zip(behind, ends)], ends,
                             images=False)
-        ids = torch.tensor([t for (s, v), e in zip(behind, ends) for t in s.token_ids[v:e]],
-                           dtype=torch.long, device=step.batch.positions.device)
+        ids = longs([t for (s, v), e in zip(behind, ends) for t in s.token_ids[v:e]],
+                    step.batch.positions.device)
         start = self.started()
         self._forward_draft(ids, step)
         attended = sum(e * (e + 1) - v * (v + 1) for (_, v), e in zip(behind, ends)) // 2
@@ -373,13 +374,13 @@ class DraftModelSpeculator(Speculator):
 
     def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
         step = self._draft_context(seqs, kv_lens, live, images=False)  # the draft reads text only
-        ids = torch.tensor(tokens, dtype=torch.long, device=step.batch.positions.device)
-        return self._forward_draft(ids, step, torch.tensor(drafting, dtype=torch.long, device=ids.device))
+        ids = longs(tokens, step.batch.positions.device)
+        return self._forward_draft(ids, step, longs(drafting, ids.device))
 
     def _verify_logits(self, seqs, gammas, drafts, lens):
         step = self.context(seqs, [g + 1 for g in gammas], [n + g for n, g in zip(lens, gammas)])
-        ids = torch.tensor([t for s, d in zip(seqs, drafts) for t in [s.token_ids[-1], *d]],
-                           dtype=torch.long, device=step.batch.positions.device)
+        ids = longs([t for s, d in zip(seqs, drafts) for t in [s.token_ids[-1], *d]],
+                    step.batch.positions.device)
         every = torch.arange(ids.shape[0], device=ids.device)
         return self.model.forward(ids, step, every)
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
+
+from mmkv.host_arrays import host_ints, longs
 
 SHORT_QUERY = 64  # most new tokens of a sequence attended in the batched (short-query) path
 
@@ -146,7 +147,7 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
         qo.append(qo[-1] + q)
         kv.append(kv[-1] + len(pg))
 
-    host = HostPages(*(_ints(x, np.int32) for x in (
+    host = HostPages(*(host_ints(x) for x in (
         qo, kv, [p for pg in pages for p in pg], [(n - 1) % block_size + 1 for n in kv_lens])))
     buckets: dict[int, list[int]] = {}
     prefill = []
@@ -160,25 +161,13 @@ def plan_batch(tables: list[list[int]], q_lens: list[int], kv_lens: list[int], b
         qo_indptr=host.qo_indptr.to(device), kv_indptr=host.kv_indptr.to(device),
         kv_indices=host.kv_indices.to(device), kv_last_page_len=host.kv_last_page_len.to(device),
         host=host,
-        positions=_longs(positions, device),
-        write_slots=_longs(key_slots + [k + block_size for k in key_slots], device),
+        positions=longs(positions, device),
+        write_slots=longs(key_slots + [k + block_size for k in key_slots], device),
         q_lens=list(q_lens), kv_lens=list(kv_lens), prefill=prefill,
-        prefill_pages=[_longs(pages[i], device) for i in prefill],
+        prefill_pages=[longs(pages[i], device) for i in prefill],
         decode=[plan for _, ids in sorted(buckets.items())
                 for plan in _plan_decode(ids, pages, q_lens, kv_lens, qo, block_size, device, cascade)],
     )
-
-
-def _ints(values: list, dtype: type) -> torch.Tensor:
-    """A host tensor of ``values`` (a list, or a list of equal-length lists). Through numpy: on
-    the CPU ``torch.tensor`` costs about 10 us a call whatever the list's length, and a step's
-    metadata is a dozen short arrays."""
-    return torch.from_numpy(np.array(values, dtype=dtype))
-
-
-def _longs(values: list, device: torch.device) -> torch.Tensor:
-    """``values`` as a long tensor on ``device``."""
-    return _ints(values, np.int64).to(device)
 
 
 def next_position(batch: PagedBatch) -> PagedBatch | None:
@@ -262,7 +251,7 @@ def _decode_plan(units: list[tuple[tuple[int, int], list[int]]], pages: list[lis
         if n:
             groups.append(CascadeGroup(
                 members=torch.arange(start, start + len(seqs), dtype=torch.long, device=device),
-                shared_pages=_longs(pages[seqs[0]][:n], device), seqs=seqs, num_pages=n))
+                shared_pages=longs(pages[seqs[0]][:n], device), seqs=seqs, num_pages=n))
         start += len(seqs)
     suffix = [pages[i][shared[i]:] for i in ids]
     width = max(len(s) for s in suffix)
@@ -272,9 +261,9 @@ def _decode_plan(units: list[tuple[tuple[int, int], list[int]]], pages: list[lis
     lens = [kv_lens[i] - shared[i] * block_size for i in ids]
     positions = [[kv_lens[i] - q_lens[i] + min(j, q_lens[i] - 1) for j in range(m)] for i in ids]
     return DecodePlan(
-        rows=_longs(rows, device), pages=_longs(padded, device), lens=_longs(lens, device),
-        host_lens=lens, positions=_longs(positions, device),
-        key_start=_longs([shared[i] * block_size for i in ids], device),
+        rows=longs(rows, device), pages=longs(padded, device), lens=longs(lens, device),
+        host_lens=lens, positions=longs(positions, device),
+        key_start=longs([shared[i] * block_size for i in ids], device),
         groups=groups,
         in_order=ids == list(range(len(ids))) and all(q_lens[i] == m for i in ids),
     )
