@@ -58,6 +58,7 @@ from mmkv.sampler import filtered_probs, top_tokens
 from mmkv.sequence import Sequence
 from speculative import (DraftHistory, DraftLengthController, SpeculativeConfig, Verdict,
                          greedy_verdict, verify_sampling)
+from speculative.controller import EARLY_EXIT_EXPLORE_LENGTH, EXPLORE_LENGTH
 
 ContextFn = Callable[..., StepContext]  # (seqs, q_lens, kv_lens, images=True): the engine's step context
 
@@ -86,13 +87,14 @@ class Speculator(ABC):
 
     every_sequence_drafts = True  # a round's sequences that draft 0 still run draft pass 0
     explore_sequences: int | None = None  # how many sequences the controller explores with (all)
+    explore_length = EXPLORE_LENGTH  # how deep they draft while it explores
 
     def __init__(self, model: ModelAdapter, config: SpeculativeConfig, context: ContextFn,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.model, self.config, self.context = model, config, context
         self.stats = SpeculationStats()
         self.controller = DraftLengthController(config.num_tokens, config.draft_length == "fixed", clock,
-                                                self.explore_sequences)
+                                                self.explore_sequences, self.explore_length)
         self._previous: tuple[tuple[int, ...], StepContext] | None = None  # the last draft pass
         # A measurement's stand-in for the draft's tokens: (sequence, pass) -> the token to propose
         self.proposals: Callable[[Sequence, int], int] | None = None
@@ -261,6 +263,8 @@ class Speculator(ABC):
 
 class EarlyExitSpeculator(Speculator):
     """The target's first ``k`` layers draft; verification runs layers ``[k, L)`` only."""
+
+    explore_length = EARLY_EXIT_EXPLORE_LENGTH
 
     def __init__(self, model: ModelAdapter, config: SpeculativeConfig, context: ContextFn) -> None:
         super().__init__(model, config, context)

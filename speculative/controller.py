@@ -47,15 +47,23 @@ at the goodput ``R``, cover that charge. ``drafting_lately`` (the smoothed share
 draft model whether to follow prompts at prefill or leave them to catch-up.
 
 Before it has timed ``EXPLORE`` verification passes the controller explores: it drafts up to
-``EXPLORE_LENGTH`` tokens a sequence (a position not yet tried is expected to go as the deepest
-one tried, so longer drafts are tried where acceptance is high). Then, before it has timed a
+``explore_length`` tokens a sequence (``EXPLORE_LENGTH`` unless the speculator asks for more; a
+position not yet tried is expected to go as the deepest one tried, so longer drafts are tried
+where acceptance is high). Early exit explores ``EARLY_EXIT_EXPLORE_LENGTH`` deep: every
+sequence runs its first draft pass anyway and a deeper one costs a pass's fixed work, while two
+positions said nothing of where drafts stop on confidence. (At batch 32 the summaries' first
+priced round, after two positions accepted 86 % of the time, gave every sequence 24 drafts; they
+stopped after one or two, and a round of 24 thin passes took 2-3 plain steps' time for 1.3-1.5
+tokens a sequence. Exploring four deep: paired over six rounds, summaries at batch 32 1.05-1.08x
+and scenes at batch 8 1.04-1.09x of exploring two, the other early-exit cells within noise; a
+draft model exploring four deep caught up more at batch 32 and lost a tenth there.) Then, before it has timed a
 plain pass, it decodes plainly: verification passes alone cannot tell their extra fixed cost
 from the intercept they share with plain decoding (every one pays both), so the fit split the
 fixed cost between the two and priced plain decoding at about half its fixed cost. Fresh
 engines at batch 8 chose plain decoding at their first priced step, expecting 2.2-2.6 tokens a
 millisecond from plain steps that then gave 1.1-1.4. A sequence that a draft model
 must first catch up drafts at most ``FRONTIER_GROWTH`` times as deep as any round has reached
-(``AcceptanceModel.reached``): its catch-up is paid for by the positions it is to draft, and
+(``AcceptanceModel.reached``, at least ``explore_length``): its catch-up is paid for by the positions it is to draft, and
 depths no round has seen are no evidence. (After the bench's warm-up request had run one round
 of 2 drafts, every deeper position read as sure, and the first priced round at batch 8 caught
 up four reports to draft 24 for every sequence, priced at 25 tokens each; it yielded 2 to 17.)
@@ -115,7 +123,8 @@ from speculative.costs import CONTEXT_SCALE, ROW_SCALE, PassCosts
 from speculative.lengths import OutputLengths
 
 EXPLORE = 2
-EXPLORE_LENGTH = 2  # the most an exploring round drafts
+EXPLORE_LENGTH = 2  # the most an exploring round drafts, unless the speculator asks for more
+EARLY_EXIT_EXPLORE_LENGTH = 4  # ... for early exit (the module docstring)
 FRONTIER_GROWTH = 3  # a sequence caught up drafts at most this x as deep as any round has reached
 ROUND_MARGIN = 1.1  # a round must promise this x plain decoding's goodput
 HOLD_MAX = 64  # the most steps a priced plain decision is held
@@ -133,9 +142,10 @@ class DraftLengthController:
 
     def __init__(self, positions: int, fixed: bool = False,
                  clock: Callable[[], float] = time.perf_counter,
-                 explore_sequences: int | None = None) -> None:
+                 explore_sequences: int | None = None, explore_length: int = EXPLORE_LENGTH) -> None:
         self.positions, self.fixed, self.clock = positions, fixed, clock
         self.explore_sequences = explore_sequences  # None: every sequence explores
+        self.explore_length = explore_length
         self.costs = PassCosts()
         self.acceptance = AcceptanceModel(positions)
         self.lengths = OutputLengths()  # how long recent outputs ran (the engine records them)
@@ -250,14 +260,14 @@ class DraftLengthController:
         if self.costs.count("verify") < EXPLORE:
             caps, room = [], self.explore_sequences or len(limits)
             for limit in limits:
-                caps.append(min(limit, EXPLORE_LENGTH) if room else 0)
+                caps.append(min(limit, self.explore_length) if room else 0)
                 room -= caps[-1] > 0
             return caps
         if not self.costs.count("plain"):
             return [0] * len(limits)  # time a plain pass before pricing (the module docstring)
         self.planned += 1
         if behind is not None and any(behind):
-            frontier = FRONTIER_GROWTH * max(EXPLORE_LENGTH, self.acceptance.reached)
+            frontier = FRONTIER_GROWTH * max(self.explore_length, self.acceptance.reached)
             limits = [min(limit, frontier) if debt else limit for limit, debt in zip(limits, behind)]
         costs, batch, context = self.costs, len(limits), sum(lengths)
         plain = batch / costs.predict("plain", batch, context)

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from mmkv import SamplingParams
 from mmkv.models import packed_linear
 from mmkv.sequence import Sequence
-from mmkv.speculation import Speculator
+from mmkv.speculation import DraftModelSpeculator, EarlyExitSpeculator, Speculator
 from speculative import DraftLengthController, SpeculativeConfig
-from speculative.controller import EXPLORE, EXPLORE_LENGTH, HOLD_MAX
+from speculative.controller import EARLY_EXIT_EXPLORE_LENGTH, EXPLORE, EXPLORE_LENGTH, HOLD_MAX
 from speculative import costs as cost_model
 from speculative.costs import LinearFit, PassCosts
 from speculative.lengths import OutputLengths
@@ -291,6 +291,21 @@ def test_a_step_where_no_sequence_may_draft_starts_no_hold():
     h = controller.history
     assert controller.choose([h], [0], [10]) == [0] and controller.planned == 0
     assert controller.choose([h], [1], [10]) == [1] and controller.planned == 1
+
+
+def test_early_exit_explores_deeper_than_a_draft_model():
+    """Early exit's exploring rounds draft ``EARLY_EXIT_EXPLORE_LENGTH`` deep (every sequence runs
+    its first draft pass anyway; two positions said nothing of where drafts stop), a draft
+    model's ``EXPLORE_LENGTH`` (each must first be caught up); a sequence's limit still caps it,
+    and the speculator hands its depth to its controller."""
+    assert EarlyExitSpeculator.explore_length == EARLY_EXIT_EXPLORE_LENGTH > EXPLORE_LENGTH
+    assert DraftModelSpeculator.explore_length == EXPLORE_LENGTH
+    deep = DraftLengthController(8, explore_length=EARLY_EXIT_EXPLORE_LENGTH)
+    histories = [deep.new_history() for _ in range(3)]
+    assert deep.choose(histories, [8, 2, 0], [10] * 3) == [EARLY_EXIT_EXPLORE_LENGTH, 2, 0]
+    speculator = EarlyExitSpeculator.__new__(EarlyExitSpeculator)
+    Speculator.__init__(speculator, None, SpeculativeConfig(num_tokens=8), None)
+    assert speculator.controller.explore_length == EARLY_EXIT_EXPLORE_LENGTH
 
 
 def test_exploring_rounds_draft_for_at_most_explore_sequences_and_rounds_share_follows():
