@@ -56,15 +56,15 @@ priced round, after two positions accepted 86 % of the time, gave every sequence
 stopped after one or two, and a round of 24 thin passes took 2-3 plain steps' time for 1.3-1.5
 tokens a sequence. Exploring four deep: paired over six rounds, summaries at batch 32 1.05-1.08x
 and scenes at batch 8 1.04-1.09x of exploring two, the other early-exit cells within noise; a
-draft model exploring four deep caught up more at batch 32 and lost a tenth there.) Then, before it has timed a
-plain pass, it decodes plainly: verification passes alone cannot tell their extra fixed cost
+draft model exploring four deep caught up more at batch 32 and lost a tenth there.) Then,
+before it has timed a plain pass, it decodes plainly: verification passes alone cannot tell their extra fixed cost
 from the intercept they share with plain decoding (every one pays both), so the fit split the
 fixed cost between the two and priced plain decoding at about half its fixed cost. Fresh
 engines at batch 8 chose plain decoding at their first priced step, expecting 2.2-2.6 tokens a
 millisecond from plain steps that then gave 1.1-1.4. A sequence that a draft model
 must first catch up drafts at most ``FRONTIER_GROWTH`` times as deep as any round has reached
-(``AcceptanceModel.reached``, at least ``explore_length``): its catch-up is paid for by the positions it is to draft, and
-depths no round has seen are no evidence. (After the bench's warm-up request had run one round
+(``AcceptanceModel.reached``, at least ``explore_length``): its catch-up is paid for by the
+positions it is to draft, and depths no round has seen are no evidence. (After the bench's warm-up request had run one round
 of 2 drafts, every deeper position read as sure, and the first priced round at batch 8 caught
 up four reports to draft 24 for every sequence, priced at 25 tokens each; it yielded 2 to 17.)
 An over-long cap costs little otherwise: a round's draft passes stop where its drafts do, and

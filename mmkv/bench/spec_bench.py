@@ -142,9 +142,9 @@ def interleaved(model: Path, prompts: dict[str, list], batch: int,
     left plain decoding at 0.90-0.93x of itself).
     Each round serves one workload with every config in turn, in reverse order every other
     round, so with ``beside_baselines``' order a config's run lies next to its plain baseline's
-    of the same round (``paired`` compares them there) and no config always runs first. A first round is run and not counted:
-    a process's first runs of a batch size are 5-20 % slower than its later ones (its allocator
-    and caches settle)."""
+    of the same round (``paired`` compares them there) and no config always runs first. A first
+    round is run and not counted: a process's first runs of a batch size are 5-20 % slower than
+    its later ones (its allocator and caches settle)."""
     runs: dict = {key: [] for key in ((name, load) for name in configs for load in prompts)}
     names = list(configs)
     own = ({load: own_outputs(model, subset, batch) for load, subset in prompts.items()}

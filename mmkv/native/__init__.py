@@ -12,7 +12,7 @@ argmax and its probability for greedy decoding and drafting (``mmkv.sampler.top_
 The library is compiled on first use (a CPU engine asks for it when it starts) with the machine's
 C compiler (``-O3 -march=native -fopenmp``, OpenMP being the runtime torch's CPU build already
 loads) into ``~/.cache/mmkv/native`` (or ``$MMKV_NATIVE_CACHE``), under a name that hashes the
-sources, the flags and the CPU, and loaded with ``ctypes``. Without a compiler, or with
+sources (headers included), the flags and the CPU, and loaded with ``ctypes``. Without a compiler, or with
 ``MMKV_NATIVE=0``, ``library()`` is ``None`` and every caller runs its torch path: the kernels
 are an optimisation, never a requirement.
 
@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,8 @@ def _cpu_signature() -> str:
 
 
 def _library_path() -> Path:
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()
-                            + _cpu_signature().encode()).hexdigest()[:16]
+    code = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
+    digest = hashlib.sha256(code + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
     root = Path(os.environ.get("MMKV_NATIVE_CACHE") or Path.home() / ".cache" / "mmkv" / "native")
     return root / f"mmkv-kernels-{digest}.so"
 
