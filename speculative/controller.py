@@ -48,32 +48,31 @@ draft model whether to follow prompts at prefill or leave them to catch-up.
 
 Before it has timed ``EXPLORE`` verification passes the controller explores: it drafts up to
 ``explore_length`` tokens a sequence (``EXPLORE_LENGTH`` unless the speculator asks for more; a
-position not yet tried is expected to go as the deepest one tried, so longer drafts are tried
-where acceptance is high). Early exit explores ``EARLY_EXIT_EXPLORE_LENGTH`` deep: every
-sequence runs its first draft pass anyway and a deeper one costs a pass's fixed work, while two
-positions said nothing of where drafts stop on confidence. (At batch 32 the summaries' first
-priced round, after two positions accepted 86 % of the time, gave every sequence 24 drafts; they
-stopped after one or two, and a round of 24 thin passes took 2-3 plain steps' time for 1.3-1.5
-tokens a sequence. Exploring four deep: paired over six rounds, summaries at batch 32 1.05-1.08x
-and scenes at batch 8 1.04-1.09x of exploring two, the other early-exit cells within noise; a
-draft model exploring four deep caught up more at batch 32 and lost a tenth there.) Then,
-before it has timed a plain pass, it decodes plainly: verification passes alone cannot tell their extra fixed cost
-from the intercept they share with plain decoding (every one pays both), so the fit split the
-fixed cost between the two and priced plain decoding at about half its fixed cost. Fresh
-engines at batch 8 chose plain decoding at their first priced step, expecting 2.2-2.6 tokens a
-millisecond from plain steps that then gave 1.1-1.4. A sequence that a draft model
-must first catch up drafts at most ``FRONTIER_GROWTH`` times as deep as any round has reached
-(``AcceptanceModel.reached``, at least ``explore_length``): its catch-up is paid for by the
-positions it is to draft, and depths no round has seen are no evidence. (After the bench's warm-up request had run one round
-of 2 drafts, every deeper position read as sure, and the first priced round at batch 8 caught
-up four reports to draft 24 for every sequence, priced at 25 tokens each; it yielded 2 to 17.)
-An over-long cap costs little otherwise: a round's draft passes stop where its drafts do, and
-capping early exit's first rounds the same way cost the batch-8 scenes a tenth of their
-speedup. With ``explore_sequences`` set
-it explores with that many sequences only (a draft model must first fill in the K/V of every
-sequence it drafts for; a few sequences teach the engine-wide rates and the pass costs just as
-well). Plain decoding's cost comes from the same fit as verification's (``speculative.costs``),
-so the exploring rounds time it too and every round keeps it current.
+position not yet tried is expected to go as the deepest one tried, so longer drafts are tried where
+acceptance is high). Early exit explores ``EARLY_EXIT_EXPLORE_LENGTH`` deep: every sequence runs
+its first draft pass anyway and a deeper one costs a pass's fixed work, while two positions said
+nothing of where drafts stop on confidence. (At batch 32 the summaries' first priced round, after
+two positions accepted 86 % of the time, gave every sequence 24 drafts; they stopped after one or
+two, and a round of 24 thin passes took 2-3 plain steps' time for 1.3-1.5 tokens a sequence.
+Exploring four deep: paired over six rounds, summaries at batch 32 1.05-1.08x and scenes at batch 8
+1.04-1.09x of exploring two, the other early-exit cells within noise; a draft model exploring four
+deep caught up more at batch 32 and lost a tenth there.) Then, before it has timed a plain pass, it
+decodes plainly: verification passes alone cannot tell their extra fixed cost from the intercept
+they share with plain decoding (every one pays both), so the fit split the fixed cost between the
+two and priced plain decoding at about half its fixed cost. Fresh engines at batch 8 chose plain
+decoding at their first priced step, expecting 2.2-2.6 tokens a millisecond from plain steps that
+then gave 1.1-1.4. A sequence that a draft model must first catch up drafts at most
+``FRONTIER_GROWTH`` times as deep as any round has reached (``AcceptanceModel.reached``, at least
+``explore_length``): its catch-up is paid for by the positions it is to draft, and depths no round
+has seen are no evidence. (After the bench's warm-up request had run one round of 2 drafts, every
+deeper position read as sure, and the first priced round at batch 8 caught up four reports to draft
+24 for every sequence, priced at 25 tokens each; it yielded 2 to 17.) An over-long cap costs little
+otherwise: a round's draft passes stop where its drafts do, and capping early exit's first rounds
+the same way cost the batch-8 scenes a tenth of their speedup. With ``explore_sequences`` set it
+explores with that many sequences only (a draft model must first fill in the K/V of every sequence
+it drafts for; a few sequences teach the engine-wide rates and the pass costs just as well). Plain
+decoding's cost comes from the same fit as verification's (``speculative.costs``), so the exploring
+rounds time it too and every round keeps it current.
 
 The margin. A round is taken only when it promises ``ROUND_MARGIN`` times plain decoding's
 goodput: what the model leaves out (the slots a round reserves, the rates' and fits' noise)
