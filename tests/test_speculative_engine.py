@@ -84,8 +84,8 @@ def test_a_draft_pass_keeps_each_rows_token_and_confidence():
 def test_top_tokens_are_the_argmax_and_its_probability(native, monkeypatch):
     """``top_tokens`` (the native kernel, and torch's path with ``MMKV_NATIVE=0``) against torch's
     argmax and softmax's largest value: on wide random rows, on rows whose largest value repeats
-    (the first wins, as torch's argmax), on a NaN row (NaN wins), on a row mostly -inf, on strided rows (a slice of
-    a wider tensor, as the rows of a packed pass), and on one row."""
+    (the first wins, as torch's argmax), on a NaN row (NaN wins), on a row mostly -inf, on strided
+    rows (a slice of a wider tensor, as the rows of a packed pass), and on one row."""
     monkeypatch.setenv("MMKV_NATIVE", native)
     mmkv.native.library.cache_clear()
     top_tokens_kernel.cache_clear()

@@ -9,12 +9,12 @@ on a row of 128, against 3 us; paired in-process on the bundled model it took pl
 and keys and stores its K/V at the step's write slots, and ``top_tokens.c`` finds each row's
 argmax and its probability for greedy decoding and drafting (``mmkv.sampler.top_tokens``).
 
-The library is compiled on first use (a CPU engine asks for it when it starts) with the machine's
-C compiler (``-O3 -march=native -fopenmp``, OpenMP being the runtime torch's CPU build already
-loads) into ``~/.cache/mmkv/native`` (or ``$MMKV_NATIVE_CACHE``), under a name that hashes the
-sources (headers included), the flags and the CPU, and loaded with ``ctypes``. Without a compiler, or with
-``MMKV_NATIVE=0``, ``library()`` is ``None`` and every caller runs its torch path: the kernels
-are an optimisation, never a requirement.
+The library is compiled on first use (a CPU engine asks for it when it starts) with the machine's C
+compiler (``-O3 -march=native -fopenmp``, OpenMP being the runtime torch's CPU build already loads)
+into ``~/.cache/mmkv/native`` (or ``$MMKV_NATIVE_CACHE``), under a name that hashes the sources
+(headers included), the flags and the CPU, and loaded with ``ctypes``. Without a compiler, or with
+``MMKV_NATIVE=0``, ``library()`` is ``None`` and every caller runs its torch path: the kernels are
+an optimisation, never a requirement.
 
 Invariant: a caller gets a kernel only from ``function``, which is ``None`` whenever the library
 is, so the torch path is always the fallback. (``library`` is cached: a test that changes
