@@ -289,3 +289,48 @@ def test_cross_plan_follows_the_visibility_rule_row_by_row(case):
             got[row] = (tuple(group.pages.tolist()), allowed)
     assert got == want
     assert plan.row_mask.tolist() == want_mask
+
+
+@st.composite
+def one_image_sequences(draw):
+    """Sequences with at most one image each, all of whose rows see it (the case the native kernel
+    attends in one call), some sharing their image's pages."""
+    seqs, row = [], 0
+    for i in range(draw(st.integers(1, 5))):
+        images = []
+        if draw(st.booleans()) or not i:
+            pages = draw(st.sampled_from([[1, 2], [3], [4, 5, 6], [100 + i]]))
+            valid = draw(st.integers(1, len(pages) * BS))
+            images.append((pages, valid, valid, 0, None))
+        q = draw(st.integers(1, 6))
+        seqs.append(CrossSequence(rows=list(range(row, row + q)), positions=list(range(20, 20 + q)),
+                                  prompt_len=10, images=images))
+        row += q
+    return seqs, row
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(cross_sequences(), one_image_sequences()), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_cross_attention_matches_dense_over_each_rows_allowed_positions(case, dtype):
+    """Every row's output is softmax attention (float64) over exactly its group's allowed image
+    positions, read from the pages; rows without images get zeros."""
+    seqs, num_rows = case
+    plan = plan_cross(seqs, num_rows, BS, torch.device("cpu"), torch.float32)
+    prefixes = [[int(a.sum()) if bool(a[:int(a.sum())].all()) else -1 for a in g.allowed] for g in plan.groups]
+    uniform = bool(prefixes) and all(min(p) == max(p) >= 0 for p in prefixes)
+    assert (plan.uniform is not None) == uniform  # every group's rows see one prefix: one call
+    g = torch.Generator().manual_seed(len(seqs) * 7 + num_rows)
+    layer = torch.randn(140, 2, BS, HKV, D, generator=g).to(dtype)
+    query = torch.randn(num_rows, HQ, D, generator=g).to(dtype)  # the model's dtype is the cache's
+    scale = D ** -0.5
+    out = torch_backend.cross_attention(query, layer, plan, scale)
+    want = torch.zeros(num_rows, HQ, D, dtype=torch.float64)
+    for group in plan.groups:
+        k = layer[group.pages, 0].reshape(-1, HKV, D).double().repeat_interleave(HQ // HKV, dim=1)
+        v = layer[group.pages, 1].reshape(-1, HKV, D).double().repeat_interleave(HQ // HKV, dim=1)
+        for row, allowed in zip(group.rows.tolist(), group.allowed):
+            scores = torch.einsum("hd,khd->hk", query[row].double(), k) * scale
+            weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+            want[row] = torch.einsum("hk,khd->hd", weights, v)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # torch's SDPA rounds to bfloat16
+    torch.testing.assert_close(out.double(), want, atol=tolerance, rtol=tolerance)

@@ -268,15 +268,15 @@ def plan_cross_attention(cross: CrossBatch, heads: Heads) -> CrossPlan:
     """Per image group one request: its rows against its pages up to the last position any row
     sees; the groups' masks (row-major per request) only when some row sees less than that."""
     bs = heads.page_size
-    qo, kv, pages, last, masks = [0], [0], [], [], []
+    qo, kv, pages, last = [0], [0], [], []
     for group in cross.groups:
         n = -(-group.visible_len // bs)
-        qo.append(qo[-1] + group.rows.shape[0])
+        qo.append(qo[-1] + len(group.row_list))
         kv.append(kv[-1] + n)
         pages.extend(group.page_list[:n])
         last.append(group.visible_len - (n - 1) * bs)
-        masks.append(group.allowed[:, :group.visible_len].reshape(-1))
-    mask = None if all(g.uniform for g in cross.groups) else torch.cat(masks)
+    mask = None if cross.uniform is not None else torch.cat(
+        [g.allowed[:, :g.visible_len].reshape(-1) for g in cross.groups])
     plan = prefill_plan(_i32(qo), _i32(kv), _i32(pages), _i32(last), heads, False, custom_mask=mask)
     return CrossPlan(plan, torch.cat([g.rows for g in cross.groups]))
 

@@ -23,8 +23,10 @@ attention).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from mmkv.host_arrays import host_ints, longs
@@ -269,17 +271,63 @@ def _decode_plan(units: list[tuple[tuple[int, int], list[int]]], pages: list[lis
     )
 
 
-@dataclass(slots=True)
+@dataclass
 class CrossGroup:
-    """Query tokens of sequences that attend to the same images (so the same pages)."""
+    """Query tokens of sequences that attend to the same images (so the same pages), held on the
+    host: the tensors the torch path and FlashInfer's masks read are built when first read, so a
+    step the native kernel attends in one call (``CrossBatch.uniform``) builds none of them."""
 
-    rows: torch.Tensor  # long [n], packed token rows
-    pages: torch.Tensor  # long [p], the images' pages, image after image
-    kv_len: int  # p * block_size (positions past an image's tokens are masked)
-    allowed: torch.Tensor  # bool [n, kv_len]
-    page_list: list[int]  # the pages, on the host
-    visible_len: int  # no row attends to a position from here on
-    uniform: bool  # every row attends to every position before visible_len
+    row_list: list[int]  # packed token rows
+    page_list: list[int]  # the images' pages, image after image
+    masks: list[list[bool]]  # the distinct visibility patterns of its rows, kv_len positions each
+    pattern_of_row: list[int]  # each row's pattern in masks
+    block_size: int
+    device: torch.device
+
+    @property
+    def kv_len(self) -> int:
+        """Pages x block size (positions past an image's tokens are masked)."""
+        return len(self.page_list) * self.block_size
+
+    @functools.cached_property
+    def visible_len(self) -> int:
+        """No row attends to a position from here on."""
+        return max(len(m) - m[::-1].index(True) for m in self.masks)
+
+    @functools.cached_property
+    def uniform(self) -> bool:
+        """Every row attends to every position before ``visible_len``."""
+        return all(all(m[:self.visible_len]) for m in self.masks)
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        return longs(self.row_list, self.device)
+
+    @functools.cached_property
+    def pages(self) -> torch.Tensor:
+        return longs(self.page_list, self.device)
+
+    @functools.cached_property
+    def allowed(self) -> torch.Tensor:
+        """bool [rows, kv_len]: the positions each row attends to."""
+        masks = torch.from_numpy(np.array(self.masks, dtype=np.bool_)).to(self.device)
+        return masks[longs(self.pattern_of_row, self.device)]
+
+
+@dataclass(slots=True)
+class UniformCross:
+    """The groups of a step in which each group's rows all attend the group's first
+    ``visible_len`` image positions, laid out as the native decode kernel's batch: group ``g`` is
+    its sequence ``g``, its rows its queries (padded to the most rows a group has with copies of
+    its first row), every key visible to every one of them."""
+
+    queries: torch.Tensor  # long [d * m], the packed row of each query slot
+    pages: torch.Tensor  # long [d, most pages], each group's pages (padded with its last)
+    lens: torch.Tensor  # long [d], each group's visible_len
+    key_start: torch.Tensor  # long [d], zeros: image positions count from 0
+    positions: torch.Tensor  # long [d, m], past every key of the group: all visible
+    slots: torch.Tensor | None  # long [n], the query slots holding real rows (None: all of them)
+    rows: torch.Tensor  # long [n], their packed rows
 
 
 @dataclass(slots=True)
@@ -287,11 +335,13 @@ class CrossBatch:
     """Cross-attention metadata of one step (non-causal attention over image K/V pages).
 
     ``row_mask`` is 1 for rows that see at least one image and 0 otherwise; rows of sequences
-    without images get no cross-attention output at all.
+    without images get no cross-attention output at all. ``uniform`` is set when every group is
+    (``CrossGroup.uniform``): then one kernel call attends every group.
     """
 
     groups: list[CrossGroup]
     row_mask: torch.Tensor  # float [T]
+    uniform: UniformCross | None = None
 
 
 @dataclass(slots=True)
@@ -337,18 +387,28 @@ def plan_cross(seqs: list[CrossSequence], num_tokens: int, block_size: int,
             rows.append(row)
             pattern_of_row.append(patterns[sees])
             row_mask[row] = 1.0 if any(sees) else 0.0
-    groups = []
-    for pages, (rows, masks, pattern_of_row) in by_pages.items():
-        allowed = torch.tensor(masks, dtype=torch.bool, device=device)
-        visible = max(len(m) - m[::-1].index(True) for m in masks)
-        groups.append(CrossGroup(
-            rows=torch.tensor(rows, dtype=torch.long, device=device),
-            pages=torch.tensor(pages, dtype=torch.long, device=device),
-            kv_len=len(pages) * block_size,
-            allowed=allowed[torch.tensor(pattern_of_row, dtype=torch.long, device=device)],
-            page_list=list(pages), visible_len=visible,
-            uniform=all(all(m[:visible]) for m in masks)))
-    return CrossBatch(groups, torch.tensor(row_mask, dtype=dtype, device=device))
+    groups = [CrossGroup(rows, list(pages), masks, pattern_of_row, block_size, device)
+              for pages, (rows, masks, pattern_of_row) in by_pages.items()]
+    uniform = None
+    if groups and all(g.uniform for g in groups):
+        uniform = _uniform_cross([(g.row_list, g.page_list, g.visible_len) for g in groups], device)
+    return CrossBatch(groups, host_ints(row_mask, np.float32).to(device, dtype), uniform)
+
+
+def _uniform_cross(groups: list[tuple[list[int], list[int], int]], device: torch.device) -> UniformCross:
+    """The kernel's batch of groups given as (rows, pages, visible_len)."""
+    m = max(len(rows) for rows, _, _ in groups)
+    width = max(len(pages) for _, pages, _ in groups)
+    queries = [r for rows, _, _ in groups for r in rows + [rows[0]] * (m - len(rows))]
+    slots = [g * m + j for g, (rows, _, _) in enumerate(groups) for j in range(len(rows))]
+    lens = [visible for _, _, visible in groups]
+    return UniformCross(
+        queries=longs(queries, device),
+        pages=longs([pages + [pages[-1]] * (width - len(pages)) for _, pages, _ in groups], device),
+        lens=longs(lens, device), key_start=longs([0] * len(groups), device),
+        positions=longs([[n] * m for n in lens], device),
+        slots=None if len(slots) == len(queries) else longs(slots, device),
+        rows=longs([r for rows, _, _ in groups for r in rows], device))
 
 
 def _cross_mask(spans: list[tuple[int, int, int, int, int | None]], sees: tuple[bool, ...],
