@@ -284,6 +284,20 @@ def test_a_rounds_lengths_are_held_for_doubling_spans_while_the_batch_is_the_sam
     assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 7
 
 
+def test_a_round_that_adds_more_observations_than_the_rates_rest_on_is_priced_again():
+    """A priced round is held only while the engine-wide rates rest on at least as many
+    observations as it adds (one per drafting sequence): a round of 8 priced from 6 rounds'
+    observations is priced again at the next step; once its 8 are observed, the next is held."""
+    controller = priced(0.00167)  # drafting pays
+    batch = [controller.new_history() for _ in range(8)]
+    assert controller.choose(batch, [1] * 8, [10] * 8) == [1] * 8 and controller.planned == 1
+    assert controller.choose(batch, [1] * 8, [10] * 8) == [1] * 8 and controller.planned == 2
+    for history in batch:
+        controller.observe_round(history, 1, 1, 1, False)
+    assert controller.choose(batch, [1] * 8, [10] * 8) == [1] * 8 and controller.planned == 3
+    assert controller.choose(batch, [1] * 8, [10] * 8) == [1] * 8 and controller.planned == 3
+
+
 def test_a_step_where_no_sequence_may_draft_starts_no_hold():
     """Sequences at their last token may draft nothing: that step is not priced, so it holds no
     decision over the next step, whose sequences may draft."""
