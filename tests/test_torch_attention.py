@@ -1,5 +1,7 @@
 """Paged torch attention against dense attention over contiguous K/V (float64 reference)."""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -7,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmkv.attention.metadata import SHORT_QUERY, CrossSequence, next_position, plan_batch, plan_cross
-from mmkv.attention import native, torch_backend
+from mmkv.attention import metadata, native, torch_backend
 from mmkv.attention.torch_backend import SPLIT_QUERIES, attention, write_kv
 
 BS, HQ, HKV, D = 4, 4, 2, 8
@@ -310,15 +312,22 @@ def one_image_sequences(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.one_of(cross_sequences(), one_image_sequences()), st.sampled_from([torch.float32, torch.bfloat16]))
-def test_cross_attention_matches_dense_over_each_rows_allowed_positions(case, dtype):
+@given(st.one_of(cross_sequences(), one_image_sequences()), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.integers(1, 8), st.sampled_from([1, 16, 4096]))
+def test_cross_attention_matches_dense_over_each_rows_allowed_positions(case, dtype, most_rows, most_work):
     """Every row's output is softmax attention (float64) over exactly its group's allowed image
-    positions, read from the pages; rows without images get zeros."""
+    positions, read from the pages; rows without images get zeros. The plan asks for one kernel
+    call exactly when every group's rows see one prefix of its positions and the groups have at
+    most ``ONE_CALL_QUERIES`` rows or ``ONE_CALL_WORK`` rows x keys (drawn here)."""
     seqs, num_rows = case
-    plan = plan_cross(seqs, num_rows, BS, torch.device("cpu"), torch.float32)
+    with mock.patch.object(metadata, "ONE_CALL_QUERIES", most_rows), \
+            mock.patch.object(metadata, "ONE_CALL_WORK", most_work):
+        plan = plan_cross(seqs, num_rows, BS, torch.device("cpu"), torch.float32)
     prefixes = [[int(a.sum()) if bool(a[:int(a.sum())].all()) else -1 for a in g.allowed] for g in plan.groups]
     uniform = bool(prefixes) and all(min(p) == max(p) >= 0 for p in prefixes)
-    assert (plan.uniform is not None) == uniform  # every group's rows see one prefix: one call
+    rows = max((len(p) for p in prefixes), default=0)
+    keys = max((p[0] for p in prefixes), default=0)
+    assert (plan.one_call is not None) == (uniform and (rows <= most_rows or rows * keys <= most_work))
     g = torch.Generator().manual_seed(len(seqs) * 7 + num_rows)
     layer = torch.randn(140, 2, BS, HKV, D, generator=g).to(dtype)
     query = torch.randn(num_rows, HQ, D, generator=g).to(dtype)  # the model's dtype is the cache's

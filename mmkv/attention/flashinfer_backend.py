@@ -275,7 +275,7 @@ def plan_cross_attention(cross: CrossBatch, heads: Heads) -> CrossPlan:
         kv.append(kv[-1] + n)
         pages.extend(group.page_list[:n])
         last.append(group.visible_len - (n - 1) * bs)
-    mask = None if cross.uniform is not None else torch.cat(
+    mask = None if all(g.uniform for g in cross.groups) else torch.cat(
         [g.allowed[:, :g.visible_len].reshape(-1) for g in cross.groups])
     plan = prefill_plan(_i32(qo), _i32(kv), _i32(pages), _i32(last), heads, False, custom_mask=mask)
     return CrossPlan(plan, torch.cat([g.rows for g in cross.groups]))

@@ -32,6 +32,13 @@ import torch
 from mmkv.host_arrays import host_ints, longs
 
 SHORT_QUERY = 64  # most new tokens of a sequence attended in the batched (short-query) path
+# Cross-attention groups the native kernel attends in one call: at most this many rows a group,
+# or at most this many rows x keys. It walks every row over the pages where SDPA runs a GEMM on
+# a gathered copy: at 8 rows it ties SDPA over 1601 keys and wins below, and it wins at any row
+# count over the bundled model's 10 (a micro-benchmark, 8 query heads of 64: at 32 rows over
+# 1601 keys SDPA took 1.6 ms and the kernel 2.7, at 512 rows 15 ms against 30).
+ONE_CALL_QUERIES = 8
+ONE_CALL_WORK = 4096
 
 
 @dataclass(slots=True)
@@ -275,7 +282,7 @@ def _decode_plan(units: list[tuple[tuple[int, int], list[int]]], pages: list[lis
 class CrossGroup:
     """Query tokens of sequences that attend to the same images (so the same pages), held on the
     host: the tensors the torch path and FlashInfer's masks read are built when first read, so a
-    step the native kernel attends in one call (``CrossBatch.uniform``) builds none of them."""
+    step the native kernel attends in one call (``CrossBatch.one_call``) builds none of them."""
 
     row_list: list[int]  # packed token rows
     page_list: list[int]  # the images' pages, image after image
@@ -315,11 +322,10 @@ class CrossGroup:
 
 
 @dataclass(slots=True)
-class UniformCross:
-    """The groups of a step in which each group's rows all attend the group's first
-    ``visible_len`` image positions, laid out as the native decode kernel's batch: group ``g`` is
-    its sequence ``g``, its rows its queries (padded to the most rows a group has with copies of
-    its first row), every key visible to every one of them."""
+class OneCallCross:
+    """A step's groups as one batch of the native decode kernel: group ``g`` is its sequence
+    ``g``, its rows its queries (padded to the most rows a group has with copies of its first
+    row), every key before the group's ``visible_len`` visible to every one of them."""
 
     queries: torch.Tensor  # long [d * m], the packed row of each query slot
     pages: torch.Tensor  # long [d, most pages], each group's pages (padded with its last)
@@ -335,13 +341,14 @@ class CrossBatch:
     """Cross-attention metadata of one step (non-causal attention over image K/V pages).
 
     ``row_mask`` is 1 for rows that see at least one image and 0 otherwise; rows of sequences
-    without images get no cross-attention output at all. ``uniform`` is set when every group is
-    (``CrossGroup.uniform``): then one kernel call attends every group.
+    without images get no cross-attention output at all. ``one_call`` is set when every group is
+    ``CrossGroup.uniform`` and has few rows for its keys (``ONE_CALL_QUERIES``,
+    ``ONE_CALL_WORK``): then one native kernel call attends every group where its pages lie.
     """
 
     groups: list[CrossGroup]
     row_mask: torch.Tensor  # float [T]
-    uniform: UniformCross | None = None
+    one_call: OneCallCross | None = None
 
 
 @dataclass(slots=True)
@@ -389,20 +396,21 @@ def plan_cross(seqs: list[CrossSequence], num_tokens: int, block_size: int,
             row_mask[row] = 1.0 if any(sees) else 0.0
     groups = [CrossGroup(rows, list(pages), masks, pattern_of_row, block_size, device)
               for pages, (rows, masks, pattern_of_row) in by_pages.items()]
-    uniform = None
+    one_call = None
     if groups and all(g.uniform for g in groups):
-        uniform = _uniform_cross([(g.row_list, g.page_list, g.visible_len) for g in groups], device)
-    return CrossBatch(groups, host_ints(row_mask, np.float32).to(device, dtype), uniform)
+        m, keys = max(len(g.row_list) for g in groups), max(g.visible_len for g in groups)
+        if m <= ONE_CALL_QUERIES or m * keys <= ONE_CALL_WORK:
+            one_call = _one_call([(g.row_list, g.page_list, g.visible_len) for g in groups], m, device)
+    return CrossBatch(groups, host_ints(row_mask, np.float32).to(device, dtype), one_call)
 
 
-def _uniform_cross(groups: list[tuple[list[int], list[int], int]], device: torch.device) -> UniformCross:
-    """The kernel's batch of groups given as (rows, pages, visible_len)."""
-    m = max(len(rows) for rows, _, _ in groups)
+def _one_call(groups: list[tuple[list[int], list[int], int]], m: int, device: torch.device) -> OneCallCross:
+    """The kernel's batch of groups given as (rows, pages, visible_len), ``m`` rows the most."""
     width = max(len(pages) for _, pages, _ in groups)
     queries = [r for rows, _, _ in groups for r in rows + [rows[0]] * (m - len(rows))]
     slots = [g * m + j for g, (rows, _, _) in enumerate(groups) for j in range(len(rows))]
     lens = [visible for _, _, visible in groups]
-    return UniformCross(
+    return OneCallCross(
         queries=longs(queries, device),
         pages=longs([pages + [pages[-1]] * (width - len(pages)) for _, pages, _ in groups], device),
         lens=longs(lens, device), key_start=longs([0] * len(groups), device),

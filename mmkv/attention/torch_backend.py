@@ -223,11 +223,11 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 def cross_attention(query: torch.Tensor, layer: torch.Tensor, cross: CrossBatch,
                     scale: float) -> torch.Tensor:
     """Non-causal attention of packed queries ``[T, q_heads, head_dim]`` over their images' K/V
-    pages; rows of sequences without images get zeros. When every group's rows see the same
-    positions (``CrossBatch.uniform``), the native decode kernel attends all groups in one call
-    where they lie; otherwise each group gathers its pages and runs SDPA with its mask."""
+    pages; rows of sequences without images get zeros. When the plan allows it
+    (``CrossBatch.one_call``), the native decode kernel attends all groups in one call where
+    they lie; otherwise each group gathers its pages and runs SDPA with its mask."""
     out = torch.zeros_like(query)
-    batch = cross.uniform
+    batch = cross.one_call
     if batch is not None and native.supports(q := query.to(compute_dtype(query)), layer):
         d, m = batch.positions.shape
         q = q.index_select(0, batch.queries).view(d, m, *query.shape[1:])
