@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from mmkv.attention import metadata, torch_backend
 from mmkv.bench import __main__ as bench_main
-from mmkv.bench import llama_cpp_peer, spec_bench
+from mmkv.bench import cross_bench, llama_cpp_peer, spec_bench
 from speculative import SpeculativeConfig
 
 ROOT = Path(__file__).parent.parent
@@ -71,6 +72,32 @@ def test_image_qa_bench_encodes_each_image_once():
     assert result["outputs_equal"] is True
     assert result["encoder_calls"] == result["images"] == 2
     assert result["xattn_kv_bytes"] == result["xattn_kv_bytes_unique_bound"]
+
+
+def test_cross_bench_attends_the_image_groups_in_one_call_and_apart(monkeypatch):
+    """The one-call runs attend their decoding steps' image groups in one kernel call; the runs
+    apart never do; both answer alike."""
+    calls: list[bool] = []
+    attend = torch_backend.cross_attention
+    monkeypatch.setattr(torch_backend, "cross_attention", lambda query, layer, cross, scale: (
+        calls.append(cross.one_call is not None), attend(query, layer, cross, scale))[1])
+    runs = []
+
+    def timed(*args):
+        start = len(calls)
+        out = spec_bench.timed_mmkv(*args)
+        runs.append((metadata.ONE_CALL_QUERIES, calls[start:]))
+        return out
+
+    monkeypatch.setattr(cross_bench, "timed_mmkv", timed)
+    parser = argparse.ArgumentParser()
+    cross_bench.add_arguments(parser)
+    result = cross_bench.run(parser.parse_args(["--batches", "2", "--requests", "2", "--repeats", "1"]))
+    assert result["outputs_equal"] is True and "one_call_speedup_b2" in result
+    apart, one_call = 0, metadata.ONE_CALL_QUERIES  # the first round runs apart first, the next not
+    assert [limit for limit, _ in runs] == [apart, one_call, one_call, apart]
+    for limit, one_call in runs:
+        assert any(one_call) if limit else one_call and not any(one_call)
 
 
 def test_image_qa_bench_on_qwen2_5_vl_computes_each_image_once():

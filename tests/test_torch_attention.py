@@ -313,26 +313,34 @@ def one_image_sequences(draw):
 
 @settings(max_examples=60, deadline=None)
 @given(st.one_of(cross_sequences(), one_image_sequences()), st.sampled_from([torch.float32, torch.bfloat16]),
-       st.integers(1, 8), st.sampled_from([1, 16, 4096]))
-def test_cross_attention_matches_dense_over_each_rows_allowed_positions(case, dtype, most_rows, most_work):
+       st.integers(1, 4), st.sampled_from([1, 16, 4096]), st.integers(1, 3))
+def test_cross_attention_matches_dense_over_each_rows_allowed_positions(case, dtype, most_rows, most_work,
+                                                                        many_groups):
     """Every row's output is softmax attention (float64) over exactly its group's allowed image
     positions, read from the pages; rows without images get zeros. The plan asks for one kernel
     call exactly when every group's rows see one prefix of its positions and the groups have at
-    most ``ONE_CALL_QUERIES`` rows or ``ONE_CALL_WORK`` rows x keys (drawn here)."""
+    most ``ONE_CALL_QUERIES`` rows, or ``ONE_CALL_WORK`` rows x keys, or twice those rows when
+    there are ``ONE_CALL_GROUPS`` of them (the limits drawn here)."""
     seqs, num_rows = case
     with mock.patch.object(metadata, "ONE_CALL_QUERIES", most_rows), \
-            mock.patch.object(metadata, "ONE_CALL_WORK", most_work):
+            mock.patch.object(metadata, "ONE_CALL_WORK", most_work), \
+            mock.patch.object(metadata, "ONE_CALL_GROUPS", many_groups):
         plan = plan_cross(seqs, num_rows, BS, torch.device("cpu"), torch.float32)
     prefixes = [[int(a.sum()) if bool(a[:int(a.sum())].all()) else -1 for a in g.allowed] for g in plan.groups]
     uniform = bool(prefixes) and all(min(p) == max(p) >= 0 for p in prefixes)
     rows = max((len(p) for p in prefixes), default=0)
     keys = max((p[0] for p in prefixes), default=0)
-    assert (plan.one_call is not None) == (uniform and (rows <= most_rows or rows * keys <= most_work))
+    short = (rows <= most_rows or rows * keys <= most_work
+             or (len(prefixes) >= many_groups and rows <= 2 * most_rows))
+    assert (plan.one_call is not None) == (uniform and short)
     g = torch.Generator().manual_seed(len(seqs) * 7 + num_rows)
     layer = torch.randn(140, 2, BS, HKV, D, generator=g).to(dtype)
     query = torch.randn(num_rows, HQ, D, generator=g).to(dtype)  # the model's dtype is the cache's
     scale = D ** -0.5
-    out = torch_backend.cross_attention(query, layer, plan, scale)
+    with mock.patch.object(native, "paged_decode", wraps=native.paged_decode) as kernel:
+        out = torch_backend.cross_attention(query, layer, plan, scale)
+    one_call = plan.one_call is not None and native.supports(query.float(), layer)
+    assert kernel.call_count == one_call  # one kernel call for every group, or none
     want = torch.zeros(num_rows, HQ, D, dtype=torch.float64)
     for group in plan.groups:
         k = layer[group.pages, 0].reshape(-1, HKV, D).double().repeat_interleave(HQ // HKV, dim=1)

@@ -32,13 +32,18 @@ import torch
 from mmkv.host_arrays import host_ints, longs
 
 SHORT_QUERY = 64  # most new tokens of a sequence attended in the batched (short-query) path
-# Cross-attention groups the native kernel attends in one call: at most this many rows a group,
-# or at most this many rows x keys. It walks every row over the pages where SDPA runs a GEMM on
-# a gathered copy: at 8 rows it ties SDPA over 1601 keys and wins below, and it wins at any row
-# count over the bundled model's 10 (a micro-benchmark, 8 query heads of 64: at 32 rows over
-# 1601 keys SDPA took 1.6 ms and the kernel 2.7, at 512 rows 15 ms against 30).
+# Cross-attention groups the native kernel attends in one call: at most ONE_CALL_QUERIES rows a
+# group; or at most ONE_CALL_WORK rows x keys; or, with ONE_CALL_GROUPS groups or more, at most
+# twice ONE_CALL_QUERIES rows. The kernel walks every row over the pages where SDPA runs a GEMM on
+# a gathered copy, and the torch path pays that gather and a call per group. Measured on this
+# project's 2-core machine (8 query heads of 64), kernel against torch: a group of 8 rows over
+# 1601 image keys 0.90 against 0.90 ms, four such 2.8 against 4.5 ms; a group of 16 rows 1.7
+# against 1.2 ms, four of them 5.5 against 6.5 ms (over 257 keys 1.2 against 1.6 ms); a group of
+# 32 rows 2.7 against 1.6 ms; at 512 rows 30 against 15 ms; 8 groups of 128 rows over the bundled
+# model's 10 keys 0.63 against 1.0 ms.
 ONE_CALL_QUERIES = 8
 ONE_CALL_WORK = 4096
+ONE_CALL_GROUPS = 4
 
 
 @dataclass(slots=True)
@@ -342,8 +347,8 @@ class CrossBatch:
 
     ``row_mask`` is 1 for rows that see at least one image and 0 otherwise; rows of sequences
     without images get no cross-attention output at all. ``one_call`` is set when every group is
-    ``CrossGroup.uniform`` and has few rows for its keys (``ONE_CALL_QUERIES``,
-    ``ONE_CALL_WORK``): then one native kernel call attends every group where its pages lie.
+    ``CrossGroup.uniform`` and the groups have few rows for their keys and number (``ONE_CALL_*``):
+    then one native kernel call attends every group where its pages lie.
     """
 
     groups: list[CrossGroup]
@@ -399,7 +404,8 @@ def plan_cross(seqs: list[CrossSequence], num_tokens: int, block_size: int,
     one_call = None
     if groups and all(g.uniform for g in groups):
         m, keys = max(len(g.row_list) for g in groups), max(g.visible_len for g in groups)
-        if m <= ONE_CALL_QUERIES or m * keys <= ONE_CALL_WORK:
+        if (m <= ONE_CALL_QUERIES or m * keys <= ONE_CALL_WORK
+                or (len(groups) >= ONE_CALL_GROUPS and m <= 2 * ONE_CALL_QUERIES)):
             one_call = _one_call([(g.row_list, g.page_list, g.visible_len) for g in groups], m, device)
     return CrossBatch(groups, host_ints(row_mask, np.float32).to(device, dtype), one_call)
 

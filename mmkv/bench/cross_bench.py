@@ -1,0 +1,47 @@
+"""Cross-attention over image K/V: one native kernel call for every image group against each group apart.
+
+The bundled model's scene questions (one image each, as ``bench spec`` serves them) decode
+plainly at each batch size on fresh engines, once with the step's image groups attended in one
+call of the native decode kernel where their pages lie (``attention.metadata.ONE_CALL_*`` decides
+which steps) and once with every group apart (a page gather and SDPA per group, the torch path),
+alternating which runs first. ``one_call_speedup_b<N>`` is the median over rounds of each
+round's ratio (``spec_bench.paired``); the outputs must be equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from unittest import mock
+
+from mmkv.attention import metadata
+from mmkv.bench.spec_bench import BUNDLED_MODEL, paired, timed_mmkv, workloads
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=32, help="scene questions, served at batch 8 and 32")
+    p.add_argument("--batch1-requests", type=int, default=8, help="scene questions served one at a time")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--repeats", type=int, default=5, help="rounds of both variants (a first is not counted)")
+    p.add_argument("--seed", type=int, default=11)
+
+
+def run(args: argparse.Namespace) -> dict:
+    scenes = workloads(args.requests, args.seed)["scenes"]
+    result, equal = {}, True
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = scenes[:args.batch1_requests] if batch == 1 else scenes
+        seconds: dict[str, list[float]] = {"one_call": [], "apart": []}
+        outputs = {}
+        for round_ in range(args.repeats + 1):  # the first round settles the process, uncounted
+            for variant in (["one_call", "apart"] if round_ % 2 else ["apart", "one_call"]):
+                with (mock.patch.multiple(metadata, ONE_CALL_QUERIES=0, ONE_CALL_WORK=0)
+                      if variant == "apart" else contextlib.nullcontext()):
+                    outs, s, _ = timed_mmkv(BUNDLED_MODEL, prompts, batch, None)
+                equal &= outputs.setdefault(variant, outs) == outs
+                if round_:
+                    seconds[variant].append(s)
+        equal &= outputs["one_call"] == outputs["apart"]
+        result[f"one_call_speedup_b{batch}"] = round(paired(seconds["apart"], seconds["one_call"]), 2)
+    result["outputs_equal"] = equal
+    return result
