@@ -374,8 +374,8 @@ def plan_cross(seqs: list[CrossSequence], num_tokens: int, block_size: int,
     attends to every image token of its sequence and its cross-attention MLP output is masked.
 
     Built on the host: a sequence's rows take one of a few visibility patterns (a decode row
-    always the same one), so each group's mask is its distinct rows indexed by pattern, a
-    handful of tensors per group however many sequences it holds.
+    always the same one), so each group keeps its distinct masks and each row's pattern, and its
+    tensors are built only if a path reads them (``CrossGroup``).
     """
     row_mask = [0.0] * num_tokens
     by_pages: dict[tuple[int, ...], tuple[list[int], list[list[bool]], list[int]]] = {}
