@@ -1,4 +1,4 @@
-"""Cross-attention over image K/V: one native kernel call for every image group against each group apart.
+"""Cross-attention over image K/V: every image group in one native kernel call against each apart.
 
 The bundled model's scene questions (one image each, as ``bench spec`` serves them) decode
 plainly at each batch size on fresh engines, once with the step's image groups attended in one
