@@ -96,8 +96,8 @@ def test_cross_bench_attends_the_image_groups_in_one_call_and_apart(monkeypatch)
     assert result["outputs_equal"] is True and "one_call_speedup_b2" in result
     apart, one_call = 0, metadata.ONE_CALL_QUERIES  # the first round runs apart first, the next not
     assert [limit for limit, _ in runs] == [apart, one_call, one_call, apart]
-    for limit, one_call in runs:
-        assert any(one_call) if limit else one_call and not any(one_call)
+    for limit, flags in runs:  # each cross-attention call of the run: did it have a one-call plan
+        assert any(flags) if limit else flags and not any(flags)
 
 
 def test_image_qa_bench_on_qwen2_5_vl_computes_each_image_once():
