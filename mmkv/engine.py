@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from cache import KVCache, parse_bytes
 from mmkv.attention.backend import AttentionBackend, choose_backend
-from mmkv.attention.metadata import CrossSequence, plan_batch, plan_cross
+from mmkv.attention.metadata import ONE_CALL, CrossSequence, plan_batch, plan_cross
 from mmkv.cpu_threads import DecodeThreads
 from mmkv.detokenizer import IncrementalText, StreamTexts
 from mmkv.host_arrays import longs
@@ -64,7 +64,7 @@ class Engine:
                  host_kv_memory: str | int = "1GiB", max_model_len: int | None = None,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  enable_prefix_caching: bool = True, eviction_policy: str = "lru",
-                 preemption: str = "auto", cascade: bool = True,
+                 preemption: str = "auto", cascade: bool = True, one_call_cross: bool = True,
                  speculative: SpeculativeConfig | None = None,
                  attention_backend: str | AttentionBackend = "auto", debug: bool = False) -> None:
         self.device = resolve_device(device)
@@ -94,7 +94,10 @@ class Engine:
         self._decode = (functools.partial(self.tokenizer.decode, skip_special_tokens=True)
                         if self.tokenizer else None)
         self.eos_token_ids = _eos_ids(Path(model), self.model.text_config, self.tokenizer)
+        # False: no shared-prefix attention / every image's cross-attention apart (what the
+        # benchmarks measure those paths against)
         self.cascade = cascade
+        self.one_call_cross = ONE_CALL if one_call_cross else None
         self.debug = debug
         self._requests: dict[int, list[Sequence]] = {}
         self._ids = itertools.count()
@@ -466,7 +469,7 @@ class Engine:
             step.image_embeds = torch.cat(embeds).to(self.device)
         if any(c.images for c in cross):
             step.cross = plan_cross(cross, step.batch.num_tokens, self.kv.block_size, self.device,
-                                    self.model.dtype)
+                                    self.model.dtype, self.one_call_cross)
 
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample the next token of ``seq`` (and fork its siblings on the first token if n > 1)."""

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mmkv.attention import metadata, torch_backend
 from mmkv.bench import __main__ as bench_main
-from mmkv.bench import cross_bench, llama_cpp_peer, spec_bench
+from mmkv.bench import llama_cpp_peer, spec_bench
 from speculative import SpeculativeConfig
 
 ROOT = Path(__file__).parent.parent
@@ -74,30 +73,11 @@ def test_image_qa_bench_encodes_each_image_once():
     assert result["xattn_kv_bytes"] == result["xattn_kv_bytes_unique_bound"]
 
 
-def test_cross_bench_attends_the_image_groups_in_one_call_and_apart(monkeypatch):
-    """The one-call runs attend their decoding steps' image groups in one kernel call; the runs
-    apart never do; both answer alike."""
-    calls: list[bool] = []
-    attend = torch_backend.cross_attention
-    monkeypatch.setattr(torch_backend, "cross_attention", lambda query, layer, cross, scale: (
-        calls.append(cross.one_call is not None), attend(query, layer, cross, scale))[1])
-    runs = []
-
-    def timed(*args):
-        start = len(calls)
-        out = spec_bench.timed_mmkv(*args)
-        runs.append((metadata.ONE_CALL_QUERIES, calls[start:]))
-        return out
-
-    monkeypatch.setattr(cross_bench, "timed_mmkv", timed)
-    parser = argparse.ArgumentParser()
-    cross_bench.add_arguments(parser)
-    result = cross_bench.run(parser.parse_args(["--batches", "2", "--requests", "2", "--repeats", "1"]))
-    assert result["outputs_equal"] is True and "one_call_speedup_b2" in result
-    apart, one_call = 0, metadata.ONE_CALL_QUERIES  # the first round runs apart first, the next not
-    assert [limit for limit, _ in runs] == [apart, one_call, one_call, apart]
-    for limit, flags in runs:  # each cross-attention call of the run: did it have a one-call plan
-        assert any(flags) if limit else flags and not any(flags)
+def test_cross_bench_answers_alike_with_the_image_groups_in_one_call_and_apart():
+    """Both variants (``Engine(one_call_cross=...)``) serve the scenes and answer alike."""
+    result = bench("cross", "--batches", "1,2", "--requests", "2", "--batch1-requests", "1", "--repeats", "1")
+    assert result["outputs_equal"] is True
+    assert set(result) == {"one_call_speedup_b1", "one_call_speedup_b2", "outputs_equal"}
 
 
 def test_image_qa_bench_on_qwen2_5_vl_computes_each_image_once():

@@ -1,14 +1,13 @@
 """Paged torch attention against dense attention over contiguous K/V (float64 reference)."""
 
-from unittest import mock
-
 import pytest
 import torch
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmkv.attention.metadata import SHORT_QUERY, CrossSequence, next_position, plan_batch, plan_cross
+from mmkv.attention.metadata import (SHORT_QUERY, CrossSequence, OneCallLimits, next_position, plan_batch,
+                                     plan_cross)
 from mmkv.attention import metadata, native, torch_backend
 from mmkv.attention.torch_backend import SPLIT_QUERIES, attention, write_kv
 
@@ -319,13 +318,11 @@ def test_cross_attention_matches_dense_over_each_rows_allowed_positions(case, dt
     """Every row's output is softmax attention (float64) over exactly its group's allowed image
     positions, read from the pages; rows without images get zeros. The plan asks for one kernel
     call exactly when every group's rows see one prefix of its positions and the groups have at
-    most ``ONE_CALL_QUERIES`` rows, or ``ONE_CALL_WORK`` rows x keys, or twice those rows when
-    there are ``ONE_CALL_GROUPS`` of them (the limits drawn here)."""
+    most ``queries`` rows, or ``work`` rows x keys, or twice those rows when there are ``groups``
+    of them (``OneCallLimits``, drawn here), and then the output is that call's."""
     seqs, num_rows = case
-    with mock.patch.object(metadata, "ONE_CALL_QUERIES", most_rows), \
-            mock.patch.object(metadata, "ONE_CALL_WORK", most_work), \
-            mock.patch.object(metadata, "ONE_CALL_GROUPS", many_groups):
-        plan = plan_cross(seqs, num_rows, BS, torch.device("cpu"), torch.float32)
+    plan = plan_cross(seqs, num_rows, BS, torch.device("cpu"), torch.float32,
+                      OneCallLimits(most_rows, most_work, many_groups))
     prefixes = [[int(a.sum()) if bool(a[:int(a.sum())].all()) else -1 for a in g.allowed] for g in plan.groups]
     uniform = bool(prefixes) and all(min(p) == max(p) >= 0 for p in prefixes)
     rows = max((len(p) for p in prefixes), default=0)
@@ -337,10 +334,14 @@ def test_cross_attention_matches_dense_over_each_rows_allowed_positions(case, dt
     layer = torch.randn(140, 2, BS, HKV, D, generator=g).to(dtype)
     query = torch.randn(num_rows, HQ, D, generator=g).to(dtype)  # the model's dtype is the cache's
     scale = D ** -0.5
-    with mock.patch.object(native, "paged_decode", wraps=native.paged_decode) as kernel:
-        out = torch_backend.cross_attention(query, layer, plan, scale)
-    one_call = plan.one_call is not None and native.supports(query.float(), layer)
-    assert kernel.call_count == one_call  # one kernel call for every group, or none
+    out = torch_backend.cross_attention(query, layer, plan, scale)
+    if plan.one_call is not None and native.supports(query.float(), layer):
+        batch = plan.one_call  # the output is, bit for bit, one kernel call over every group
+        d, m = batch.positions.shape
+        kernel = native.paged_decode(query.float()[batch.queries].view(d, m, HQ, D), layer, batch.pages,
+                                     batch.lens, batch.key_start, batch.positions, scale, None, None)
+        kernel = kernel.view(d * m, HQ, D)[batch.slots if batch.slots is not None else slice(None)]
+        assert torch.equal(out, torch.zeros_like(out).index_copy_(0, batch.rows, kernel.to(dtype)))
     want = torch.zeros(num_rows, HQ, D, dtype=torch.float64)
     for group in plan.groups:
         k = layer[group.pages, 0].reshape(-1, HKV, D).double().repeat_interleave(HQ // HKV, dim=1)
@@ -351,3 +352,12 @@ def test_cross_attention_matches_dense_over_each_rows_allowed_positions(case, dt
             want[row] = torch.einsum("hk,khd->hd", weights, v)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # torch's SDPA rounds to bfloat16
     torch.testing.assert_close(out.double(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_one_call_limits_hold_at_their_bounds():
+    """The default rule at each bound: 8 rows a group over any keys; 4096 rows x keys; 4 groups
+    of 16 rows."""
+    allow = metadata.ONE_CALL.allow
+    assert allow(1, 8, 10**6) and not allow(1, 9, 10**6)
+    assert allow(1, 64, 64) and not allow(1, 64, 65)
+    assert allow(4, 16, 10**6) and not allow(3, 16, 10**6) and not allow(4, 17, 10**6)

@@ -32,18 +32,31 @@ import torch
 from mmkv.host_arrays import host_ints, longs
 
 SHORT_QUERY = 64  # most new tokens of a sequence attended in the batched (short-query) path
-# Cross-attention groups the native kernel attends in one call: at most ONE_CALL_QUERIES rows a
-# group; or at most ONE_CALL_WORK rows x keys; or, with ONE_CALL_GROUPS groups or more, at most
-# twice ONE_CALL_QUERIES rows. The kernel walks every row over the pages where SDPA runs a GEMM on
-# a gathered copy, and the torch path pays that gather and a call per group. Measured on this
-# project's 2-core machine (8 query heads of 64), kernel against torch: a group of 8 rows over
-# 1601 image keys 0.90 against 0.90 ms, four such 2.8 against 4.5 ms; a group of 16 rows 1.7
-# against 1.2 ms, four of them 5.5 against 6.5 ms (over 257 keys 1.2 against 1.6 ms); a group of
-# 32 rows 2.7 against 1.6 ms; at 512 rows 30 against 15 ms; 8 groups of 128 rows over the bundled
-# model's 10 keys 0.63 against 1.0 ms.
-ONE_CALL_QUERIES = 8
-ONE_CALL_WORK = 4096
-ONE_CALL_GROUPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class OneCallLimits:
+    """When the native kernel attends a step's cross-attention groups in one call: at most
+    ``queries`` rows a group; or at most ``work`` rows x keys; or, with ``groups`` groups or more,
+    at most twice ``queries`` rows. The kernel walks every row over the pages where SDPA runs a
+    GEMM on a gathered copy, and the torch path pays that gather and a call per group. Measured on
+    this project's 2-core machine (8 query heads of 64), kernel against torch: a group of 8 rows
+    over 1601 image keys 0.90 against 0.90 ms, four such 2.8 against 4.5 ms; a group of 16 rows
+    1.7 against 1.2 ms, four of them 5.5 against 6.5 ms (over 257 keys 1.2 against 1.6 ms); a
+    group of 32 rows 2.7 against 1.6 ms; at 512 rows 30 against 15 ms; 8 groups of 128 rows over
+    the bundled model's 10 keys 0.63 against 1.0 ms."""
+
+    queries: int = 8
+    work: int = 4096
+    groups: int = 4
+
+    def allow(self, groups: int, rows: int, keys: int) -> bool:
+        """Whether ``groups`` groups of at most ``rows`` rows over at most ``keys`` keys go in one call."""
+        return (rows <= self.queries or rows * keys <= self.work
+                or (groups >= self.groups and rows <= 2 * self.queries))
+
+
+ONE_CALL = OneCallLimits()
 
 
 @dataclass(slots=True)
@@ -347,8 +360,8 @@ class CrossBatch:
 
     ``row_mask`` is 1 for rows that see at least one image and 0 otherwise; rows of sequences
     without images get no cross-attention output at all. ``one_call`` is set when every group is
-    ``CrossGroup.uniform`` and the groups have few rows for their keys and number (``ONE_CALL_*``):
-    then one native kernel call attends every group where its pages lie.
+    ``CrossGroup.uniform`` and the groups have few rows for their keys and number
+    (``OneCallLimits``): then one native kernel call attends every group where its pages lie.
     """
 
     groups: list[CrossGroup]
@@ -367,15 +380,16 @@ class CrossSequence:
     # per image: (pages, tokens, valid tokens, first visible position, end of visibility or None)
 
 
-def plan_cross(seqs: list[CrossSequence], num_tokens: int, block_size: int,
-               device: torch.device, dtype: torch.dtype) -> CrossBatch:
+def plan_cross(seqs: list[CrossSequence], num_tokens: int, block_size: int, device: torch.device,
+               dtype: torch.dtype, one_call: OneCallLimits | None = ONE_CALL) -> CrossBatch:
     """Visibility follows Mllama: image ``i`` is seen from its placeholder up to (not including)
     ``end``; generated tokens see what the last prompt token sees; a row that sees no image
     attends to every image token of its sequence and its cross-attention MLP output is masked.
 
     Built on the host: a sequence's rows take one of a few visibility patterns (a decode row
     always the same one), so each group keeps its distinct masks and each row's pattern, and its
-    tensors are built only if a path reads them (``CrossGroup``).
+    tensors are built only if a path reads them (``CrossGroup``). ``one_call``: when the groups
+    go to the native kernel in one call (None: never).
     """
     row_mask = [0.0] * num_tokens
     by_pages: dict[tuple[int, ...], tuple[list[int], list[list[bool]], list[int]]] = {}
@@ -401,13 +415,12 @@ def plan_cross(seqs: list[CrossSequence], num_tokens: int, block_size: int,
             row_mask[row] = 1.0 if any(sees) else 0.0
     groups = [CrossGroup(rows, list(pages), masks, pattern_of_row, block_size, device)
               for pages, (rows, masks, pattern_of_row) in by_pages.items()]
-    one_call = None
-    if groups and all(g.uniform for g in groups):
+    batch = None
+    if one_call is not None and groups and all(g.uniform for g in groups):
         m, keys = max(len(g.row_list) for g in groups), max(g.visible_len for g in groups)
-        if (m <= ONE_CALL_QUERIES or m * keys <= ONE_CALL_WORK
-                or (len(groups) >= ONE_CALL_GROUPS and m <= 2 * ONE_CALL_QUERIES)):
-            one_call = _one_call([(g.row_list, g.page_list, g.visible_len) for g in groups], m, device)
-    return CrossBatch(groups, host_ints(row_mask, np.float32).to(device, dtype), one_call)
+        if one_call.allow(len(groups), m, keys):
+            batch = _one_call([(g.row_list, g.page_list, g.visible_len) for g in groups], m, device)
+    return CrossBatch(groups, host_ints(row_mask, np.float32).to(device, dtype), batch)
 
 
 def _one_call(groups: list[tuple[list[int], list[int], int]], m: int, device: torch.device) -> OneCallCross:

@@ -2,19 +2,16 @@
 
 The bundled model's scene questions (one image each, as ``bench spec`` serves them) decode
 plainly at each batch size on fresh engines, once with the step's image groups attended in one
-call of the native decode kernel where their pages lie (``attention.metadata.ONE_CALL_*`` decides
-which steps) and once with every group apart (a page gather and SDPA per group, the torch path),
-alternating which runs first. ``one_call_speedup_b<N>`` is the median over rounds of each
+call of the native decode kernel where their pages lie (``attention.metadata.OneCallLimits``
+decides which steps) and once with every group apart (``Engine(one_call_cross=False)``: a page
+gather and SDPA per group, the torch path), alternating which runs first. ``one_call_speedup_b<N>`` is the median over rounds of each
 round's ratio (``spec_bench.paired``); the outputs must be equal.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-from unittest import mock
 
-from mmkv.attention import metadata
 from mmkv.bench.spec_bench import BUNDLED_MODEL, paired, timed_mmkv, workloads
 
 
@@ -35,9 +32,8 @@ def run(args: argparse.Namespace) -> dict:
         outputs = {}
         for round_ in range(args.repeats + 1):  # the first round settles the process, uncounted
             for variant in (["one_call", "apart"] if round_ % 2 else ["apart", "one_call"]):
-                with (mock.patch.multiple(metadata, ONE_CALL_QUERIES=0, ONE_CALL_WORK=0)
-                      if variant == "apart" else contextlib.nullcontext()):
-                    outs, s, _ = timed_mmkv(BUNDLED_MODEL, prompts, batch, None)
+                outs, s, _ = timed_mmkv(BUNDLED_MODEL, prompts, batch, None,
+                                        one_call_cross=variant == "one_call")
                 equal &= outputs.setdefault(variant, outs) == outs
                 if round_:
                     seconds[variant].append(s)

@@ -96,11 +96,12 @@ def workloads(n: int, seed: int) -> dict[str, list]:
     return {"scenes": scenes, "summaries": docs}
 
 
-def fresh_engine(model: Path, prompts: list, batch: int, speculative: SpeculativeConfig | None) -> Engine:
+def fresh_engine(model: Path, prompts: list, batch: int, speculative: SpeculativeConfig | None,
+                 **options) -> Engine:
     """A fresh engine (so a fresh cache and controller) that serves ``batch`` sequences at a time,
-    warmed up on a short request."""
+    warmed up on a short request; ``options``: more of the engine's options."""
     engine = Engine(model, kv_cache_memory="256MiB", host_kv_memory="16MiB", speculative=speculative,
-                    max_num_seqs=batch)
+                    max_num_seqs=batch, **options)
     engine.generate(prompts[:1], SamplingParams(max_tokens=4))
     return engine
 
@@ -112,10 +113,10 @@ def serve(engine: Engine, prompts: list, batch: int) -> list:
 
 
 def timed_mmkv(model: Path, prompts: list, batch: int, speculative: SpeculativeConfig | None,
-               own: dict[int, list[int]] | None = None):
-    """Generated tokens, seconds and stats for ``prompts`` served on a fresh engine. With ``own``
-    (``own_outputs``), the drafts are the target's own tokens."""
-    engine = fresh_engine(model, prompts, batch, speculative)
+               own: dict[int, list[int]] | None = None, **options):
+    """Generated tokens, seconds and stats for ``prompts`` served on a fresh engine (``options``:
+    more of its options). With ``own`` (``own_outputs``), the drafts are the target's own tokens."""
+    engine = fresh_engine(model, prompts, batch, speculative, **options)
     if own is not None:
         engine.speculator.proposals = lambda seq, depth: own[seq.request_id][seq.num_generated + depth]
     warm = engine.stats()
