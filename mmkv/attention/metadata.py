@@ -51,7 +51,8 @@ class OneCallLimits:
     groups: int = 4
 
     def allow(self, groups: int, rows: int, keys: int) -> bool:
-        """Whether ``groups`` groups of at most ``rows`` rows over at most ``keys`` keys go in one call."""
+        """Whether ``groups`` groups of at most ``rows`` rows over at most ``keys`` keys go in one
+        call."""
         return (rows <= self.queries or rows * keys <= self.work
                 or (groups >= self.groups and rows <= 2 * self.queries))
 
@@ -381,15 +382,15 @@ class CrossSequence:
 
 
 def plan_cross(seqs: list[CrossSequence], num_tokens: int, block_size: int, device: torch.device,
-               dtype: torch.dtype, one_call: OneCallLimits | None = ONE_CALL) -> CrossBatch:
+               dtype: torch.dtype, limits: OneCallLimits | None = ONE_CALL) -> CrossBatch:
     """Visibility follows Mllama: image ``i`` is seen from its placeholder up to (not including)
     ``end``; generated tokens see what the last prompt token sees; a row that sees no image
     attends to every image token of its sequence and its cross-attention MLP output is masked.
 
     Built on the host: a sequence's rows take one of a few visibility patterns (a decode row
     always the same one), so each group keeps its distinct masks and each row's pattern, and its
-    tensors are built only if a path reads them (``CrossGroup``). ``one_call``: when the groups
-    go to the native kernel in one call (None: never).
+    tensors are built only if a path reads them (``CrossGroup``). ``limits``: when the groups go
+    to the native kernel in one call (None: never).
     """
     row_mask = [0.0] * num_tokens
     by_pages: dict[tuple[int, ...], tuple[list[int], list[list[bool]], list[int]]] = {}
@@ -416,9 +417,9 @@ def plan_cross(seqs: list[CrossSequence], num_tokens: int, block_size: int, devi
     groups = [CrossGroup(rows, list(pages), masks, pattern_of_row, block_size, device)
               for pages, (rows, masks, pattern_of_row) in by_pages.items()]
     batch = None
-    if one_call is not None and groups and all(g.uniform for g in groups):
+    if limits is not None and groups and all(g.uniform for g in groups):
         m, keys = max(len(g.row_list) for g in groups), max(g.visible_len for g in groups)
-        if one_call.allow(len(groups), m, keys):
+        if limits.allow(len(groups), m, keys):
             batch = _one_call([(g.row_list, g.page_list, g.visible_len) for g in groups], m, device)
     return CrossBatch(groups, host_ints(row_mask, np.float32).to(device, dtype), batch)
 

@@ -4,8 +4,9 @@ The bundled model's scene questions (one image each, as ``bench spec`` serves th
 plainly at each batch size on fresh engines, once with the step's image groups attended in one
 call of the native decode kernel where their pages lie (``attention.metadata.OneCallLimits``
 decides which steps) and once with every group apart (``Engine(one_call_cross=False)``: a page
-gather and SDPA per group, the torch path), alternating which runs first. ``one_call_speedup_b<N>`` is the median over rounds of each
-round's ratio (``spec_bench.paired``); the outputs must be equal.
+gather and SDPA per group, the torch path), alternating which runs first.
+``one_call_speedup_b<N>`` is the median over rounds of each round's ratio (``spec_bench.paired``);
+the outputs must be equal.
 """
 
 from __future__ import annotations
