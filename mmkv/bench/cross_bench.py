@@ -4,16 +4,16 @@ The bundled model's scene questions (one image each, as ``bench spec`` serves th
 plainly at each batch size on fresh engines, once with the step's image groups attended in one
 call of the native decode kernel where their pages lie (``attention.metadata.OneCallLimits``
 decides which steps) and once with every group apart (``Engine(one_call_cross=False)``: a page
-gather and SDPA per group, the torch path), alternating which runs first.
-``one_call_speedup_b<N>`` is the median over rounds of each round's ratio (``spec_bench.paired``);
-the outputs must be equal.
+gather and SDPA per group, the torch path), the two engines taking turns step by step
+(``spec_bench.in_turns``). ``one_call_speedup_b<N>`` is the median over rounds of each round's
+ratio (``spec_bench.paired``); the outputs must be equal.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from mmkv.bench.spec_bench import BUNDLED_MODEL, paired, timed_mmkv, workloads
+from mmkv.bench.spec_bench import BUNDLED_MODEL, fresh_engine, in_turns, paired, workloads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,9 +32,10 @@ def run(args: argparse.Namespace) -> dict:
         seconds: dict[str, list[float]] = {"one_call": [], "apart": []}
         outputs = {}
         for round_ in range(args.repeats + 1):  # the first round settles the process, uncounted
-            for variant in (["one_call", "apart"] if round_ % 2 else ["apart", "one_call"]):
-                outs, s, _ = timed_mmkv(BUNDLED_MODEL, prompts, batch, None,
-                                        one_call_cross=variant == "one_call")
+            engines = {variant: fresh_engine(BUNDLED_MODEL, prompts, batch, None,
+                                             one_call_cross=variant == "one_call")
+                       for variant in ("one_call", "apart")}
+            for variant, (outs, s, _) in in_turns(engines, prompts, batch).items():
                 equal &= outputs.setdefault(variant, outs) == outs
                 if round_:
                     seconds[variant].append(s)

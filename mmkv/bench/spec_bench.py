@@ -11,12 +11,12 @@ transformers runs the batch-1 summaries (its Mllama text model takes no image wi
 cross-attention plumbing), the only batch size its assisted generation supports. Every greedy
 variant must give the same outputs. mmkv runs every variant ``--repeats`` times or more (rounds
 are added while a batch size's runs took under ``--seconds``: ``rounds_b<batch>``), each on a
-fresh engine (so the controller learns afresh), the variants taking turns within each round; a speedup
-is the median over rounds of the round's ratio to plain decoding (``paired``), and plain
-decoding run twice in each round gives the noise floor (``plain_vs_plain_<cell>``). Throughputs
-(tokens/s) and transformers' timings are the fastest of the repeats. Every timing is taken with
-the garbage collector paused (``mmkv.bench.timed``). The chart is the speedup against the batch
-size, one line per method and workload.
+fresh engine (so the controller learns afresh), a round's engines taking turns step by step
+(``in_turns``: the machine's drift meets them alike); a speedup is the median over rounds of the
+round's ratio to plain decoding (``paired``), and plain decoding run twice in each round gives the
+noise floor (``plain_vs_plain_<cell>``). Throughputs (tokens/s) and transformers' timings are the
+fastest of the repeats. Every timing is taken with the garbage collector paused. The chart is the
+speedup against the batch size, one line per method and workload.
 
 The speedups are end to end: prompts' prefill, the same work with or without speculation, is in
 both times. ``decode_speedup_<cell>`` is the same paired ratio over the seconds of the engine's
@@ -38,8 +38,10 @@ the pass costs allow.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -97,12 +99,15 @@ def workloads(n: int, seed: int) -> dict[str, list]:
 
 
 def fresh_engine(model: Path, prompts: list, batch: int, speculative: SpeculativeConfig | None,
-                 **options) -> Engine:
+                 own: dict[int, list[int]] | None = None, **options) -> Engine:
     """A fresh engine (so a fresh cache and controller) that serves ``batch`` sequences at a time,
-    warmed up on a short request; ``options``: more of the engine's options."""
+    warmed up on a short request; ``options``: more of the engine's options. With ``own``
+    (``own_outputs``), its drafts are the target's own tokens."""
     engine = Engine(model, kv_cache_memory="256MiB", host_kv_memory="16MiB", speculative=speculative,
                     max_num_seqs=batch, **options)
     engine.generate(prompts[:1], SamplingParams(max_tokens=4))
+    if own is not None:
+        engine.speculator.proposals = lambda seq, depth: own[seq.request_id][seq.num_generated + depth]
     return engine
 
 
@@ -112,23 +117,52 @@ def serve(engine: Engine, prompts: list, batch: int) -> list:
     return [o for i in range(0, len(prompts), batch) for o in engine.generate(prompts[i:i + batch], PARAMS)]
 
 
-def timed_mmkv(model: Path, prompts: list, batch: int, speculative: SpeculativeConfig | None,
-               own: dict[int, list[int]] | None = None, **options):
-    """Generated tokens, seconds and stats for ``prompts`` served on a fresh engine (``options``:
-    more of its options). With ``own`` (``own_outputs``), the drafts are the target's own tokens."""
-    engine = fresh_engine(model, prompts, batch, speculative, **options)
-    if own is not None:
-        engine.speculator.proposals = lambda seq, depth: own[seq.request_id][seq.num_generated + depth]
-    warm = engine.stats()
-    outs, seconds = timed(lambda: serve(engine, prompts, batch))
-    stats = engine.stats()
-    for phase in ("prefill", "decode"):  # this run's steps, the warm-up's left out
-        stats[f"run_{phase}_seconds"] = stats[f"step_seconds_{phase}"] - warm[f"step_seconds_{phase}"]
-    return [o.token_ids for o in outs], seconds, stats
+def in_turns(engines: dict[str, Engine], prompts: list, batch: int) -> dict[str, tuple[list, float, dict]]:
+    """Every engine serves ``prompts`` ``batch`` at a time as ``serve`` does, the engines taking
+    turns step by step (each batch queued on all, then one step of each in an order that rotates
+    every turn). For each: its outputs' token ids in order, the seconds its own calls took and its
+    stats (``run_<phase>_seconds``: this run's step seconds, a warm-up before it left out).
+
+    This machine's speed drifts by 10-40 % over a second or two, and one engine's run after
+    another's compares two moments as much as two engines. Taking turns every step puts the same
+    moments in both: plain decoding against itself on the batch-8 summaries, 8 rounds of each, gave
+    ratios with a standard deviation of 0.011 taking turns every step, 0.05 every batch and 0.18
+    whole run after whole run (the bench's way before), with the same medians within 1 %."""
+    names = list(engines)
+    warm = {name: engines[name].stats() for name in names}
+    seconds = dict.fromkeys(names, 0.0)
+    outputs: dict[str, dict[int, list[int]]] = {name: {} for name in names}
+    clock = time.perf_counter
+    gc.collect()
+    gc.disable()  # as ``mmkv.bench.timed``: no collection of the whole process lands in one step
+    try:
+        for first in range(0, len(prompts), batch):
+            for name in names:
+                start = clock()
+                for prompt in prompts[first:first + batch]:
+                    engines[name].add_request(prompt, PARAMS)
+                seconds[name] += clock() - start
+            turn = 0
+            while live := [name for name in names if engines[name].has_unfinished()]:
+                for name in live[turn % len(live):] + live[:turn % len(live)]:
+                    start = clock()
+                    finished = [o for o in engines[name].step() if o.finished]
+                    seconds[name] += clock() - start
+                    outputs[name].update((o.request_id, o.token_ids) for o in finished)
+                turn += 1
+    finally:
+        gc.enable()
+    runs = {}
+    for name in names:
+        stats = engines[name].stats()
+        for phase in ("prefill", "decode"):
+            stats[f"run_{phase}_seconds"] = stats[f"step_seconds_{phase}"] - warm[name][f"step_seconds_{phase}"]
+        runs[name] = ([ids for _, ids in sorted(outputs[name].items())], seconds[name], stats)
+    return runs
 
 
 def own_outputs(model: Path, prompts: list, batch: int) -> dict[int, list[int]]:
-    """The target's greedy outputs of ``prompts`` by request id, served as ``timed_mmkv`` serves
+    """The target's greedy outputs of ``prompts`` by request id, served as ``in_turns`` serves
     them: what an all-accepted run's draft proposes (pass ``i`` of a round proposes the token at the
     sequence's generated length plus ``i``)."""
     return {o.request_id: o.token_ids for o in serve(fresh_engine(model, prompts, batch, None), prompts, batch)}
@@ -136,47 +170,39 @@ def own_outputs(model: Path, prompts: list, batch: int) -> dict[int, list[int]]:
 
 def interleaved(model: Path, prompts: dict[str, list], batch: int,
                 configs: dict[str, SpeculativeConfig | None], repeats: int, seconds: float = 0.0) -> dict:
-    """At least ``repeats`` runs of ``timed_mmkv`` for every (config, workload), as lists in run
-    order (a config named ``<method>_all_accepted`` proposes the target's own tokens); more
-    rounds, up to ``MAX_ROUNDS`` x ``repeats``, while the counted runs took under ``seconds`` in
-    all (a round at batch 32 takes a quarter of one at batch 1, and its median over 5 rounds
-    left plain decoding at 0.90-0.93x of itself).
-    Each round serves one workload with every config in turn, in reverse order every other
-    round, so with ``beside_baselines``' order a config's run lies next to its plain baseline's
-    of the same round (``paired`` compares them there) and no config always runs first. A first
-    round is run and not counted: a process's first runs of a batch size are 5-20 % slower than
-    its later ones (its allocator and caches settle)."""
+    """At least ``repeats`` runs for every (config, workload), as lists in run order, each round
+    serving a workload on a fresh engine per config (so each controller learns afresh) taking
+    turns (``in_turns``; a config named ``<method>_all_accepted`` proposes the target's own
+    tokens); more rounds, up to ``MAX_ROUNDS`` x ``repeats``, while the counted runs took under
+    ``seconds`` in all (a round at batch 32 takes a quarter of one at batch 1). A first round is
+    run and not counted: a process's first runs of a batch size are 5-20 % slower than its later
+    ones (its allocator and caches settle)."""
     runs: dict = {key: [] for key in ((name, load) for name in configs for load in prompts)}
-    names = list(configs)
     own = ({load: own_outputs(model, subset, batch) for load, subset in prompts.items()}
-           if any(name.endswith(ALL_ACCEPTED) for name in names) else {})
+           if any(name.endswith(ALL_ACCEPTED) for name in configs) else {})
     round_, spent = 0, 0.0
     while round_ <= repeats or (spent < seconds and round_ <= MAX_ROUNDS * repeats):
         for load, subset in prompts.items():
-            for name in (names if round_ % 2 else names[::-1]):
-                run = timed_mmkv(model, subset, batch, configs[name],
-                                 own[load] if name.endswith(ALL_ACCEPTED) else None)
+            engines = {name: fresh_engine(model, subset, batch, config,
+                                          own[load] if name.endswith(ALL_ACCEPTED) else None)
+                       for name, config in configs.items()}
+            for name, run in in_turns(engines, subset, batch).items():
                 if round_:
                     runs[name, load].append(run)
                     spent += run[1]
+            del engines  # before the next round's
         round_ += 1
     return runs
 
 
-def beside_baselines(speculative: dict[str, SpeculativeConfig], all_accepted: bool
-                     ) -> dict[str, SpeculativeConfig | None]:
-    """Every config a round runs, in the order it runs them (``interleaved`` reverses it every
-    other round): each method beside ``plain``, and each all-accepted config beside
-    ``plain_again``, the baseline its speedup is paired with; ``plain`` against ``plain_again`` is
-    the noise floor. (With the two baselines first, the draft model ran three runs from ``plain``
-    in one direction, and its speedup met the machine's drift between them.)"""
-    names = list(speculative)
-    configs = {names[0]: speculative[names[0]], "plain": None, **{n: speculative[n] for n in names[1:]}}
+def variants(speculative: dict[str, SpeculativeConfig], all_accepted: bool
+             ) -> dict[str, SpeculativeConfig | None]:
+    """Every config a round runs: the methods, ``plain`` (their speedups' baseline) and
+    ``plain_again`` (plain decoding against itself, the noise floor; with ``all_accepted`` the
+    all-accepted configs' baseline too, as they would run beside the methods)."""
+    configs: dict[str, SpeculativeConfig | None] = {**speculative, "plain": None, "plain_again": None}
     if all_accepted:
-        configs |= {names[0] + ALL_ACCEPTED: speculative[names[0]], "plain_again": None,
-                    **{n + ALL_ACCEPTED: speculative[n] for n in names[1:]}}
-    else:
-        configs["plain_again"] = None
+        configs |= {name + ALL_ACCEPTED: config for name, config in speculative.items()}
     return configs
 
 
@@ -224,7 +250,7 @@ def run(args: argparse.Namespace) -> dict:
                                                  draft_model=args.draft, draft_length=args.draft_length,
                                                  adaptive_threshold=args.adaptive_threshold or None)
     methods = [name for name in METHODS if name in speculative]
-    configs = beside_baselines(speculative, args.all_accepted)
+    configs = variants(speculative, args.all_accepted)
     result: dict = {}
     equal = True
     ours: dict = {}  # batch-1 summaries: what transformers also serves
