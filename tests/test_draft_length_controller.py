@@ -344,11 +344,12 @@ def test_exploring_rounds_draft_for_at_most_explore_sequences_and_rounds_share_f
     assert not few.drafting_lately()
 
 
-def test_a_draft_far_behind_drafts_only_where_its_catch_up_pays_over_the_rounds_left():
-    """Three sequences with a draft always right: one caught up, two behind by 3000 positions
-    (a prompt the draft model skipped), one of them with 2 tokens left and one with 300. The
-    catch-up is charged spread over the rounds each has left: the one about to end does not draft,
-    the long one does, as does the caught-up one."""
+def test_a_draft_behind_drafts_only_where_this_round_pays_for_its_whole_catch_up():
+    """Three sequences with a draft always right: one caught up, one behind by 30 positions and one
+    by 3000 (a prompt the draft model skipped), each with 300 tokens left. A round's catch-up is
+    charged whole to it: 30 positions cost less than a round's drafts gain, 3000 cost far more
+    (were it spread over the 60 rounds the long one has left, that one would draft too), whichever
+    sequence is the one behind."""
     def trained() -> tuple[DraftLengthController, list]:
         controller = DraftLengthController(4)
         histories = [controller.new_history() for _ in range(3)]
@@ -363,18 +364,13 @@ def test_a_draft_far_behind_drafts_only_where_its_catch_up_pays_over_the_rounds_
             controller.observe_pass("plain", 3, 12000, 2.0 + 0.01 * 3)
         return controller, histories
 
-    limits, lengths = [4, 4, 4], [4000, 4000, 4000]
+    limits, lengths, progress = [4, 4, 4], [4000, 4000, 4000], [(0, 300)] * 3
     controller, histories = trained()
     assert controller.choose(histories, limits, lengths) == [4, 4, 4]
     controller, histories = trained()
-    behind = [0, 3000, 3000]
-    assert controller.choose(histories, limits, lengths, [(0, 300), (0, 2), (0, 300)], behind) == [4, 0, 4]
-    # the long one has generated 23 tokens and recent outputs ended at 25: it is about to end too
-    # (and the caught-up one, also at 23, drafts 1: a second draft would be past the end)
+    assert controller.choose(histories, limits, lengths, progress, [0, 30, 3000]) == [4, 4, 0]
     controller, histories = trained()
-    for _ in range(10):
-        controller.lengths.record(25)
-    assert controller.choose(histories, limits, lengths, [(23, 300), (0, 2), (23, 300)], behind) == [1, 0, 0]
+    assert controller.choose(histories, limits, lengths, progress, [3000, 0, 0]) == [0, 4, 4]
 
 
 def test_drafts_past_where_recent_outputs_ended_are_worth_nothing():
@@ -395,23 +391,6 @@ def test_drafts_past_where_recent_outputs_ended_are_worth_nothing():
         controller.lengths.record(24)
     controller._round_hold = None
     assert controller.choose(histories, [8, 8], [100, 100], progress) == [8, 3]
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 60), max_size=40), st.integers(0, 60), st.integers(1, 50),
-       st.integers(1, 8))
-def test_expected_tokens_left_is_the_mean_run_past_of_the_recent_outputs(finished, generated, cap, kept):
-    """Against the definition, computed naively: the recent ``kept`` lengths that ran past
-    ``generated`` and one more that ends a token after it, their mean overrun clipped to
-    ``[1, cap]``; ``cap`` when nothing was recorded."""
-    lengths = OutputLengths(kept)
-    for i, n in enumerate(finished):
-        lengths.record(n)
-        if i % 3 == 0:  # estimates between records see every record so far
-            lengths.expected_left(generated, cap)
-    past = [n - generated for n in finished[-kept:] if n > generated] + [1]
-    expected = cap if not finished else max(1, min(cap, round(sum(past) / len(past))))
-    assert lengths.expected_left(generated, cap) == expected
 
 
 @settings(max_examples=200, deadline=None)
