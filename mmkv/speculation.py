@@ -301,7 +301,7 @@ class DraftModelSpeculator(Speculator):
     their pending token (it falls behind, as on a plain step)."""
 
     every_sequence_drafts = False
-    explore_sequences = 4  # each must first have its draft K/V filled in
+    explore_sequences = 1  # it must first have its draft K/V filled in (the controller's docstring)
 
     def __init__(self, model: ModelAdapter, draft: ModelAdapter, kv: KVCache,
                  config: SpeculativeConfig, context: ContextFn) -> None:
