@@ -126,10 +126,12 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
     stats = {"spec_rounds": 1, "spec_drafted_tokens": 1, "spec_accepted_tokens": 1, "spec_decisions": 1,
              "spec_zero_drafts": 0, "spec_seq_mean_draft_length_mean": 1.0, "peak_blocks_in_use": 1}
 
+    def run(name):
+        return [[1, 2]], seconds[name], {**stats, "run_prefill_seconds": 0.5,
+                                         "run_decode_seconds": seconds[name] - 0.5}
+
     def scripted(model, prompts, batch, configs, repeats, budget):
-        return {(name, load): [([[1, 2]], seconds[name], {**stats, "run_prefill_seconds": 0.5,
-                                                          "run_decode_seconds": seconds[name] - 0.5})] * 3
-                for name in configs for load in prompts}
+        return {(name, load): [(run(name), run("plain"))] * 3 for name in configs for load in prompts}
 
     monkeypatch.setattr(spec_bench, "interleaved", scripted)
     parser = argparse.ArgumentParser()
@@ -171,30 +173,34 @@ def test_an_all_accepted_run_accepts_every_draft_and_keeps_the_outputs(method):
 
 @pytest.mark.parametrize("seconds, rounds", [(0, 2), (10, 5), (100, 2 * spec_bench.MAX_ROUNDS)])
 def test_short_runs_get_more_rounds_up_to_a_cap(monkeypatch, seconds, rounds):
-    """Rounds are added while the counted runs took under ``seconds`` (two 1-second runs a
-    round), never fewer than ``repeats`` and at most ``MAX_ROUNDS`` x ``repeats``; the first
-    round is not counted."""
+    """Rounds are added while the counted runs took under ``seconds`` (two configs a round, each
+    taking turns with a plain engine, 0.5 s a run: 2 s a round), never fewer than ``repeats`` and
+    at most ``MAX_ROUNDS`` x ``repeats``; the first round is not counted."""
     calls = []
     monkeypatch.setattr(spec_bench, "fresh_engine", lambda *args: None)
     monkeypatch.setattr(spec_bench, "in_turns",
-                        lambda engines, *args: calls.append(engines) or {name: ([], 1.0, {}) for name in engines})
-    runs = spec_bench.interleaved(Path("model"), {"load": ["p"]}, 1, {"plain": None, "other": None},
-                                  repeats=2, seconds=seconds)
-    assert [len(rs) for rs in runs.values()] == [rounds, rounds]
-    assert len(calls) == rounds + 1
+                        lambda engines, *args: calls.append(engines) or {name: ([], 0.5, {}) for name in engines})
+    pairs = spec_bench.interleaved(Path("model"), {"load": ["p"]}, 1, {"plain_again": None, "other": None},
+                                   repeats=2, seconds=seconds)
+    assert [len(rs) for rs in pairs.values()] == [rounds, rounds]
+    assert len(calls) == 2 * (rounds + 1) and all(list(c) == ["plain", n] for c, n in
+                                                  zip(calls, ["plain_again", "other"] * (rounds + 1)))
 
 
 @pytest.mark.parametrize("all_accepted", [False, True])
 def test_every_speedup_divides_its_own_baseline(monkeypatch, tmp_path, all_accepted):
-    """Each method's speedup divides ``plain``'s seconds, each all-accepted config's
-    ``plain_again``'s, and the noise floor one by the other (scripted: ``plain`` takes 2 s,
-    ``plain_again`` 4 s, every other config 1 s)."""
-    def scripted(model, prompts, batch, configs, repeats, budget):
-        return {(name, load): [([[1, 2]], {"plain": 2.0, "plain_again": 4.0}.get(name, 1.0),
-                                {"spec_rounds": 1, "spec_drafted_tokens": 1, "spec_accepted_tokens": 1,
-                                 "spec_decisions": 1, "spec_zero_drafts": 0, "peak_blocks_in_use": 1,
-                                 "spec_seq_mean_draft_length_mean": 1.0, "run_prefill_seconds": 0.1,
-                                 "run_decode_seconds": 0.5})] * 3
+    """Each speedup divides the seconds of the plain run beside it, not another's (scripted:
+    every config takes 1 s but ``plain_again`` 2 s; the plain runs beside the methods take 2 s,
+    those beside ``plain_again`` and the all-accepted configs 4 s)."""
+    def run(seconds):
+        return [[1, 2]], seconds, {"spec_rounds": 1, "spec_drafted_tokens": 1, "spec_accepted_tokens": 1,
+                                   "spec_decisions": 1, "spec_zero_drafts": 0, "peak_blocks_in_use": 1,
+                                   "spec_seq_mean_draft_length_mean": 1.0, "run_prefill_seconds": 0.1,
+                                   "run_decode_seconds": 0.5}
+
+    def scripted(model, prompts, batch, configs, repeats, budget):  # each beside its own plain run
+        plain = {"plain_again": 4.0, "early_exit_all_accepted": 4.0, "draft_all_accepted": 4.0}
+        return {(name, load): [(run({"plain_again": 2.0}.get(name, 1.0)), run(plain.get(name, 2.0)))] * 3
                 for name in configs for load in prompts}
 
     monkeypatch.setattr(spec_bench, "interleaved", scripted)
@@ -203,7 +209,7 @@ def test_every_speedup_divides_its_own_baseline(monkeypatch, tmp_path, all_accep
     result = spec_bench.run(parser.parse_args(["--batches", "8", "--requests", "2", "--chart",
                                                str(tmp_path / "chart.png")]
                                               + ["--all-accepted"] * all_accepted))
-    assert result["speedup_draft_summaries_b8"] == 2.0 and result["plain_vs_plain_range"] == [0.5, 0.5]
+    assert result["speedup_draft_summaries_b8"] == 2.0 and result["plain_vs_plain_range"] == [2.0, 2.0]
     assert ("all_accepted_draft_summaries_b8" in result) == all_accepted
     if all_accepted:
         assert result["all_accepted_draft_summaries_b8"] == 4.0 and result["all_accepted_early_exit_b8"] == 4.0

@@ -11,10 +11,10 @@ transformers runs the batch-1 summaries (its Mllama text model takes no image wi
 cross-attention plumbing), the only batch size its assisted generation supports. Every greedy
 variant must give the same outputs. mmkv runs every variant ``--repeats`` times or more (rounds
 are added while a batch size's runs took under ``--seconds``: ``rounds_b<batch>``), each on a
-fresh engine (so the controller learns afresh), a round's engines taking turns step by step
-(``in_turns``: the machine's drift meets them alike); a speedup is the median over rounds of the
-round's ratio to plain decoding (``paired``), and plain decoding run twice in each round gives the
-noise floor (``plain_vs_plain_<cell>``). Throughputs (tokens/s) and transformers' timings are the
+fresh engine (so the controller learns afresh) taking turns step by step with a fresh plain
+engine (``in_turns``: the machine's drift meets both alike); a speedup is the median over rounds
+of the round's ratio of the plain engine's time to the variant's (``paired``), and plain decoding
+beside plain decoding gives the noise floor (``plain_vs_plain_<cell>``). Throughputs (tokens/s) and transformers' timings are the
 fastest of the repeats. Every timing is taken with the garbage collector paused. The chart is the
 speedup against the batch size, one line per method and workload.
 
@@ -57,9 +57,10 @@ from mmkv.synthetic import document_prompt, random_report, random_scene, scene_p
 from speculative import SpeculativeConfig
 
 PARAMS = SamplingParams(max_tokens=48)
-METHODS = ("early_exit", "draft")  # the speculative configs; plain and plain_again are the baseline
+METHODS = ("early_exit", "draft")  # the speculative configs (plain_again: plain beside plain)
 MAX_ROUNDS = 4  # a batch size's counted rounds are at most this x --repeats
 ALL_ACCEPTED = "_all_accepted"  # a method's config with the target's own tokens as its drafts
+PLAIN = "plain"  # the plain engine every config runs beside
 DRAFT_MODEL = BUNDLED_MODEL.parent / "tiny-draft"
 
 
@@ -173,37 +174,44 @@ def own_outputs(model: Path, prompts: list, batch: int) -> dict[int, list[int]]:
 
 def interleaved(model: Path, prompts: dict[str, list], batch: int,
                 configs: dict[str, SpeculativeConfig | None], repeats: int, seconds: float = 0.0) -> dict:
-    """At least ``repeats`` runs for every (config, workload), as lists in run order, each round
-    serving a workload on a fresh engine per config (so each controller learns afresh) taking
-    turns (``in_turns``; a config named ``<method>_all_accepted`` proposes the target's own
-    tokens); more rounds, up to ``MAX_ROUNDS`` x ``repeats``, while the counted runs took under
-    ``seconds`` in all (a round at batch 32 takes a quarter of one at batch 1). A first round is
-    run and not counted: a process's first runs of a batch size are 5-20 % slower than its later
-    ones (its allocator and caches settle)."""
-    runs: dict = {key: [] for key in ((name, load) for name in configs for load in prompts)}
+    """At least ``repeats`` rounds for every (config, workload): in each, a fresh engine of the
+    config (so its controller learns afresh) and a fresh plain engine take turns over the
+    workload (``in_turns``; a config named ``<method>_all_accepted`` proposes the target's own
+    tokens). For each (config, workload), the pairs of runs (the config's, the plain one beside
+    it) in round order. More rounds, up to ``MAX_ROUNDS`` x ``repeats``, while the counted runs
+    took under ``seconds`` in all (a round at batch 32 takes a quarter of one at batch 1). A first
+    round is run and not counted: a process's first runs of a batch size are 5-20 % slower than
+    its later ones (its allocator and caches settle).
+
+    Two engines at a time, each its own plain partner: with every config's engine and the plain
+    one taking turns at once (six engines), a lone plain engine's 700 tokens/s at batch 1 read
+    450-500 and early exit's scenes read 5-9 % faster against it than against a plain partner
+    alone (batch 1: 2.52x against 2.40x, batch 8: 1.98x against 1.81x, medians of 6 rounds),
+    while a plain partner alone runs as fast as a lone engine."""
+    pairs: dict = {key: [] for key in ((name, load) for name in configs for load in prompts)}
     own = ({load: own_outputs(model, subset, batch) for load, subset in prompts.items()}
            if any(name.endswith(ALL_ACCEPTED) for name in configs) else {})
     round_, spent = 0, 0.0
     while round_ <= repeats or (spent < seconds and round_ <= MAX_ROUNDS * repeats):
         for load, subset in prompts.items():
-            engines = {name: fresh_engine(model, subset, batch, config,
-                                          own[load] if name.endswith(ALL_ACCEPTED) else None)
-                       for name, config in configs.items()}
-            for name, run in in_turns(engines, subset, batch).items():
+            for name, config in configs.items():
+                engines = {PLAIN: fresh_engine(model, subset, batch, None),
+                           name: fresh_engine(model, subset, batch, config,
+                                              own[load] if name.endswith(ALL_ACCEPTED) else None)}
+                runs = in_turns(engines, subset, batch)
                 if round_:
-                    runs[name, load].append(run)
-                    spent += run[1]
-            del engines  # before the next round's
+                    pairs[name, load].append((runs[name], runs[PLAIN]))
+                    spent += runs[name][1] + runs[PLAIN][1]
         round_ += 1
-    return runs
+    return pairs
 
 
 def variants(speculative: dict[str, SpeculativeConfig], all_accepted: bool
              ) -> dict[str, SpeculativeConfig | None]:
-    """Every config a round runs: the methods, ``plain`` (their speedups' baseline) and
-    ``plain_again`` (plain decoding against itself, the noise floor; with ``all_accepted`` the
-    all-accepted configs' baseline too, as they would run beside the methods)."""
-    configs: dict[str, SpeculativeConfig | None] = {**speculative, "plain": None, "plain_again": None}
+    """Every config a round runs beside a plain engine: the methods, ``plain_again`` (plain
+    decoding against itself, the noise floor) and with ``all_accepted`` each method's
+    all-accepted config."""
+    configs: dict[str, SpeculativeConfig | None] = {**speculative, "plain_again": None}
     if all_accepted:
         configs |= {name + ALL_ACCEPTED: config for name, config in speculative.items()}
     return configs
@@ -264,28 +272,33 @@ def run(args: argparse.Namespace) -> dict:
     for batch in batches:
         subset = {load: prompts[:args.batch1_requests] if batch == 1 else prompts
                   for load, prompts in loads.items()}
-        runs = interleaved(args.model, subset, batch, configs, args.repeats, args.seconds)
-        result[f"rounds_b{batch}"] = len(runs["plain", next(iter(loads))])
+        pairs = interleaved(args.model, subset, batch, configs, args.repeats, args.seconds)
+        result[f"rounds_b{batch}"] = len(next(iter(pairs.values())))
+        runs = {key: [run for run, _ in rs] for key, rs in pairs.items()}
+        beside = {key: [plain for _, plain in rs] for key, rs in pairs.items()}  # each run's plain partner
+        plain_runs = {load: [r for name in configs for r in beside[name, load]] for load in loads}
+        reference = {load: plain_runs[load][0][0] for load in loads}  # plain decoding's outputs
         outs = {key: rs[0][0] for key, rs in runs.items()}
         seconds = {key: [r[1] for r in rs] for key, rs in runs.items()}
+        base = {key: [r[1] for r in rs] for key, rs in beside.items()}
         decoding = {key: [r[2]["run_decode_seconds"] for r in rs] for key, rs in runs.items()}
+        base_decoding = {key: [r[2]["run_decode_seconds"] for r in rs] for key, rs in beside.items()}
+        for load in loads:
+            equal &= all(r[0] == reference[load] for r in plain_runs[load])
         for (name, load), rs in runs.items():
-            equal &= all(r[0] == outs["plain", load] for r in rs)
-            if name == "plain":
-                continue
+            equal &= all(r[0] == reference[load] for r in rs)
             if name == "plain_again":  # the noise floor: plain decoding against itself
-                result[f"plain_vs_plain_{load}_b{batch}"] = round(
-                    paired(seconds["plain", load], seconds[name, load]), 2)
+                result[f"plain_vs_plain_{load}_b{batch}"] = round(paired(base[name, load], seconds[name, load]), 2)
                 continue
             if name.endswith(ALL_ACCEPTED):
                 result[f"all_accepted_{name[:-len(ALL_ACCEPTED)]}_{load}_b{batch}"] = round(
-                    paired(seconds["plain_again", load], seconds[name, load]), 2)
+                    paired(base[name, load], seconds[name, load]), 2)
                 continue
             cell, stats = f"{name}_{load}_b{batch}", [r[2] for r in rs]  # every round's run
-            more = tokens(outs[name, load]) / tokens(outs["plain", load])
-            result[f"speedup_{cell}"] = round(paired(seconds["plain", load], seconds[name, load]) * more, 2)
+            more = tokens(outs[name, load]) / tokens(reference[load])
+            result[f"speedup_{cell}"] = round(paired(base[name, load], seconds[name, load]) * more, 2)
             result[f"decode_speedup_{cell}"] = round(
-                paired(decoding["plain", load], decoding[name, load]) * more, 2)
+                paired(base_decoding[name, load], decoding[name, load]) * more, 2)
             result[f"acceptance_rate_{cell}"] = _merged_stats(stats)["spec_acceptance_rate"]
             result[f"zero_draft_fraction_{cell}"] = round(sum(st["spec_zero_drafts"] for st in stats)
                                                           / max(1, sum(st["spec_decisions"] for st in stats)), 3)
@@ -293,33 +306,39 @@ def run(args: argparse.Namespace) -> dict:
                 st["spec_seq_mean_draft_length_mean"] for st in stats), 4)
             if batch == 1 and load == "summaries":
                 ours[name] = outs[name, load], min(seconds[name, load])
-        both, both_decoding = over_loads(seconds), over_loads(decoding)
-        prefill = sum(r[2]["run_prefill_seconds"] for load in loads for r in runs["plain", load])
-        result[f"prefill_share_plain_b{batch}"] = round(prefill / (prefill + sum(both_decoding["plain"])), 3)
-        for name in ["plain", *methods]:
+        both, both_base = over_loads(seconds), over_loads(base)
+        both_decoding, both_base_decoding = over_loads(decoding), over_loads(base_decoding)
+        prefill = sum(r[2]["run_prefill_seconds"] for load in loads for r in plain_runs[load])
+        decode = sum(r[2]["run_decode_seconds"] for load in loads for r in plain_runs[load])
+        result[f"prefill_share_plain_b{batch}"] = round(prefill / (prefill + decode), 3)
+        result[f"tokens_per_s_plain_b{batch}"] = round(
+            sum(tokens(reference[load]) for load in loads)
+            / sum(min(r[1] for r in plain_runs[load]) for load in loads), 1)
+        result[f"peak_blocks_plain_b{batch}"] = max(r[2]["peak_blocks_in_use"]
+                                                    for load in loads for r in plain_runs[load])
+        for name in methods:
             result[f"tokens_per_s_{name}_b{batch}"] = round(
                 sum(tokens(outs[name, load]) for load in loads)
                 / sum(min(seconds[name, load]) for load in loads), 1)
             result[f"peak_blocks_{name}_b{batch}"] = max(r[2]["peak_blocks_in_use"]
                                                          for load in loads for r in runs[name, load])
-            if name != "plain":
-                more = (sum(tokens(outs[name, load]) for load in loads)
-                        / sum(tokens(outs["plain", load]) for load in loads))
-                result[f"speedup_{name}_b{batch}"] = round(paired(both["plain"], both[name]) * more, 2)
-                result[f"decode_speedup_{name}_b{batch}"] = round(
-                    paired(both_decoding["plain"], both_decoding[name]) * more, 2)
-                stats = _merged_stats([r[2] for load in loads for r in runs[name, load]])
-                result[f"mean_tokens_per_round_{name}_b{batch}"] = stats["spec_mean_tokens_per_round"]
-                if name + ALL_ACCEPTED in configs:
-                    result[f"all_accepted_{name}_b{batch}"] = round(
-                        paired(both["plain_again"], both[name + ALL_ACCEPTED]), 2)
+            more = (sum(tokens(outs[name, load]) for load in loads)
+                    / sum(tokens(reference[load]) for load in loads))
+            result[f"speedup_{name}_b{batch}"] = round(paired(both_base[name], both[name]) * more, 2)
+            result[f"decode_speedup_{name}_b{batch}"] = round(
+                paired(both_base_decoding[name], both_decoding[name]) * more, 2)
+            stats = _merged_stats([r[2] for load in loads for r in runs[name, load]])
+            result[f"mean_tokens_per_round_{name}_b{batch}"] = stats["spec_mean_tokens_per_round"]
+            if name + ALL_ACCEPTED in configs:
+                result[f"all_accepted_{name}_b{batch}"] = round(
+                    paired(both_base[name + ALL_ACCEPTED], both[name + ALL_ACCEPTED]), 2)
     cells = {k: v for k, v in result.items()
              if k.startswith("speedup_") and any(f"_{load}_b" in k for load in loads)}
     result["min_speedup"] = min(cells.values())
     result["min_speedup_cell"] = min(cells, key=cells.get)[len("speedup_"):]
     floor = [v for k, v in result.items() if k.startswith("plain_vs_plain_")]
     result["plain_vs_plain_range"] = [min(floor), max(floor)]
-    if "plain" in configs and len(batches) > 1:
+    if len(batches) > 1:
         # Blocks the early-exit draft holds beyond plain decoding at the peak of the same workload:
         # its K/V is the target's own, so only the slots reserved for a round's drafts count.
         result["draft_extra_blocks_early_exit"] = (result[f"peak_blocks_early_exit_b{batches[1]}"]
