@@ -14,9 +14,10 @@ are added while a batch size's runs took under ``--seconds``: ``rounds_b<batch>`
 fresh engine (so the controller learns afresh) taking turns step by step with a fresh plain
 engine (``in_turns``: the machine's drift meets both alike); a speedup is the median over rounds
 of the round's ratio of the plain engine's time to the variant's (``paired``), and plain decoding
-beside plain decoding gives the noise floor (``plain_vs_plain_<cell>``). Throughputs (tokens/s) and transformers' timings are the
-fastest of the repeats. Every timing is taken with the garbage collector paused. The chart is the
-speedup against the batch size, one line per method and workload.
+beside plain decoding gives the noise floor (``plain_vs_plain_<cell>``). Throughputs (tokens/s)
+and transformers' timings are the fastest of the repeats. Every timing is taken with the garbage
+collector paused. The chart is the speedup against the batch size, one line per method and
+workload.
 
 The speedups are end to end: prompts' prefill, the same work with or without speculation, is in
 both times. ``decode_speedup_<cell>`` is the same paired ratio over the seconds of the engine's
@@ -288,7 +289,8 @@ def run(args: argparse.Namespace) -> dict:
         for (name, load), rs in runs.items():
             equal &= all(r[0] == reference[load] for r in rs)
             if name == "plain_again":  # the noise floor: plain decoding against itself
-                result[f"plain_vs_plain_{load}_b{batch}"] = round(paired(base[name, load], seconds[name, load]), 2)
+                result[f"plain_vs_plain_{load}_b{batch}"] = round(
+                    paired(base[name, load], seconds[name, load]), 2)
                 continue
             if name.endswith(ALL_ACCEPTED):
                 result[f"all_accepted_{name[:-len(ALL_ACCEPTED)]}_{load}_b{batch}"] = round(
