@@ -3,22 +3,30 @@ JSON object."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 T = TypeVar("T")
 
 
-def timed(fn: Callable[[], T]) -> tuple[T, float]:
-    """``fn()`` and its wall time in seconds, measured as ``timeit`` does: after a full garbage
-    collection and with the collector paused, so that a collection of everything the process has
-    built so far (about 0.2 s with transformers loaded) is not charged to whichever run it falls in."""
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """After a full garbage collection, with the collector paused, as ``timeit`` measures: a
+    collection of everything the process has built so far (about 0.2 s with transformers loaded)
+    is not charged to whichever run or step it falls in."""
     gc.collect()
     gc.disable()
     try:
+        yield
+    finally:
+        gc.enable()
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """``fn()`` and its wall time in seconds, the collector paused (``gc_paused``)."""
+    with gc_paused():
         start = time.perf_counter()
         result = fn()
         return result, time.perf_counter() - start
-    finally:
-        gc.enable()

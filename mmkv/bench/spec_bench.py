@@ -39,7 +39,6 @@ the pass costs allow.
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
 import time
@@ -49,7 +48,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mmkv import Engine, SamplingParams
-from mmkv.bench import timed
+from mmkv.bench import gc_paused, timed
 from mmkv.engine import BUNDLED_MODEL, BUNDLED_SPECULATION
 from mmkv.models import MmkvVLM
 from mmkv.models.base import read_config_json
@@ -140,9 +139,7 @@ def in_turns(engines: dict[str, Engine], prompts: list, batch: int) -> dict[str,
     seconds = dict.fromkeys(names, 0.0)
     outputs: dict[str, dict[int, list[int]]] = {name: {} for name in names}
     clock = time.perf_counter
-    gc.collect()
-    gc.disable()  # as ``mmkv.bench.timed``: no collection of the whole process lands in one step
-    try:
+    with gc_paused():
         for first in range(0, len(prompts), batch):
             for name in names:
                 start = clock()
@@ -155,8 +152,6 @@ def in_turns(engines: dict[str, Engine], prompts: list, batch: int) -> dict[str,
                     finished = [o for o in engines[name].step() if o.finished]
                     seconds[name] += clock() - start
                     outputs[name].update((o.request_id, o.token_ids) for o in finished)
-    finally:
-        gc.enable()
     runs = {}
     for name in names:
         stats = engines[name].stats()
