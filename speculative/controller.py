@@ -116,6 +116,11 @@ priced round, after an exploring round of four sequences whose drafts were all a
 about 10 ms more than plain steps. Paired over 8 rounds: draft model scenes at batch 32 1.03x,
 early exit summaries at batch 8 1.06x over 6, the other cells tried within noise.)
 
+The constants below (``EXPLORE``, ``FRONTIER_GROWTH``, ``ROUND_MARGIN``, the holds' and
+``PREFILL_DRAFT_SHARE``) are the defaults of ``Settings``, which a controller may be given
+instead: ``python -m mmkv.bench spec-compare --set NAME=VALUE`` measures such a change against
+the defaults.
+
 A draft length chosen from past rounds only (never from the round's own outcomes) leaves
 verification exact.
 
@@ -126,6 +131,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import numpy as np
@@ -147,6 +153,38 @@ ROUNDS_SMOOTHING = 0.1  # weight of the latest step in ``rounds_share``
 PREFILL_DRAFT_SHARE = 0.2  # the draft model follows prompts while rounds_share is at least this
 
 
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The controller's tunable constants, the module's by default (``python -m mmkv.bench
+    spec-compare --set NAME=VALUE`` measures a change of them against the defaults)."""
+
+    explore: int = EXPLORE
+    frontier_growth: int = FRONTIER_GROWTH
+    round_margin: float = ROUND_MARGIN
+    hold_max: int = HOLD_MAX
+    round_hold_max: int = ROUND_HOLD_MAX
+    round_hold_evidence: float = ROUND_HOLD_EVIDENCE
+    prefill_draft_share: float = PREFILL_DRAFT_SHARE
+
+    @classmethod
+    def parse(cls, assignments: list[str]) -> Settings:
+        """Settings from ``NAME=VALUE`` strings (the others the defaults); a name that is not a
+        setting, or a value of the wrong type, raises ``ValueError`` naming it."""
+        kinds = {"int": (int, "an integer"), "float": (float, "a number")}
+        types = {f.name: kinds[f.type] for f in fields(cls)}
+        values = {}
+        for assignment in assignments:
+            name, sep, value = assignment.partition("=")
+            if not sep or name not in types:
+                raise ValueError(f"{assignment!r}: expected NAME=VALUE with NAME one of {sorted(types)}")
+            convert, kind = types[name]
+            try:
+                values[name] = convert(value)
+            except ValueError:
+                raise ValueError(f"{assignment!r}: {name} takes {kind}") from None
+        return cls(**values)
+
+
 class DraftLengthController:
     """Chooses draft lengths and learns from every pass it is told about.
 
@@ -157,6 +195,7 @@ class DraftLengthController:
                  clock: Callable[[], float] = time.perf_counter,
                  explore_sequences: int | None = None, explore_length: int = EXPLORE_LENGTH) -> None:
         self.positions, self.fixed, self.clock = positions, fixed, clock
+        self.settings = Settings()  # may be replaced before the first choice
         self.explore_sequences = explore_sequences  # None: every sequence explores
         self.explore_length = explore_length
         self.costs = PassCosts()
@@ -231,20 +270,21 @@ class DraftLengthController:
         elif any(caps):
             last = self._round_hold
             same = last is not None and [c > 0 for c in last[1]] == [c > 0 for c in caps]
-            span = min(ROUND_HOLD_MAX, 2 * last[3]) if same else 1
+            span = min(self.settings.round_hold_max, 2 * last[3]) if same else 1
             drafting = sum(c > 0 for c in caps)
-            held = span if self.acceptance.proposed.trials[0] >= ROUND_HOLD_EVIDENCE * drafting else 0
+            evidence = self.acceptance.proposed.trials[0]
+            held = span if evidence >= self.settings.round_hold_evidence * drafting else 0
             self._hold, self._round_hold = None, (list(histories), caps, held, span)
             self._plain_spans.pop(size_class, None)
         else:
-            span = min(HOLD_MAX, 2 * self._plain_spans.get(size_class, 0)) or 1
+            span = min(self.settings.hold_max, 2 * self._plain_spans.get(size_class, 0)) or 1
             self._plain_spans[size_class] = span
             self._hold, self._round_hold = (size_class, span), None
 
     def drafting_lately(self) -> bool:
         """Whether recent steps ran rounds: while they do not, a draft model's K/V of new prompts
         is left to be filled in when a round needs it (a catch-up pass) instead of at prefill."""
-        return self.fixed or self.rounds_share >= PREFILL_DRAFT_SHARE
+        return self.fixed or self.rounds_share >= self.settings.prefill_draft_share
 
     def summary(self) -> dict[str, float]:
         """How often it drafted 0 and how often it priced its choice, and each sequence's mean
@@ -272,7 +312,7 @@ class DraftLengthController:
               behind: list[int] | None = None) -> list[int]:
         if not any(limits):
             return [0] * len(limits)
-        if self.costs.count("verify") < EXPLORE:
+        if self.costs.count("verify") < self.settings.explore:
             caps, room = [], self.explore_sequences or len(limits)
             for limit in limits:
                 caps.append(min(limit, self.explore_length) if room else 0)
@@ -282,7 +322,7 @@ class DraftLengthController:
             return [0] * len(limits)  # time a plain pass before pricing (the module docstring)
         self.planned += 1
         if behind is not None and any(behind):
-            frontier = FRONTIER_GROWTH * max(self.explore_length, self.acceptance.reached)
+            frontier = self.settings.frontier_growth * max(self.explore_length, self.acceptance.reached)
             limits = [min(limit, frontier) if debt else limit for limit, debt in zip(limits, behind)]
         costs, batch, context = self.costs, len(limits), sum(lengths)
         plain = batch / costs.predict("plain", batch, context)
@@ -299,7 +339,7 @@ class DraftLengthController:
             return [0] * batch  # no sequence's first draft pays at plain decoding's goodput
         debts = np.zeros(batch) if behind is None else np.asarray(behind, dtype=np.float64)
         catch_up = _variable(costs, "catch_up", debts, debts * (sizes - debts / 2), debts > 0)  # s each
-        best, caps, goal = ROUND_MARGIN * plain, [0] * batch, plain
+        best, caps, goal = self.settings.round_margin * plain, [0] * batch, plain
         for _ in range(2):
             horizons = (accepted >= goal * per_row[:, None]).sum(axis=1)
             if debts.any():  # drafting must also earn its whole catch-up, in this round

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mmkv.bench import __main__ as bench_main
-from mmkv.bench import llama_cpp_peer, spec_bench
+from mmkv.bench import llama_cpp_peer, spec_bench, spec_compare
 from speculative import SpeculativeConfig
 
 ROOT = Path(__file__).parent.parent
@@ -171,6 +171,21 @@ def test_an_all_accepted_run_accepts_every_draft_and_keeps_the_outputs(method):
     stats = runs["all_accepted"][2]
     assert stats["spec_drafted_tokens"] > 20
     assert stats["spec_accepted_tokens"] == stats["spec_drafted_tokens"]
+
+
+def test_spec_compare_runs_the_new_engine_on_its_settings():
+    """``bench spec-compare``: with a round margin of 100 the new engine drafts only while it
+    explores, the default one on (early exit pays on the scenes); the outputs stay plain
+    decoding's. A setting that does not exist is refused naming it."""
+    parser = argparse.ArgumentParser()
+    spec_compare.add_arguments(parser)
+    result = spec_compare.run(parser.parse_args(["--batch", "2", "--requests", "2", "--rounds", "1",
+                                                 "--load", "scenes", "--set", "round_margin=100"]))
+    assert result["outputs_equal"] and result["settings"] == {"round_margin": 100.0}
+    assert result["drafted_new"] < result["drafted_old"] / 2, result
+    assert len(result["new_over_old_rounds"]) == 1 and result["new_over_old"] > 0
+    with pytest.raises(SystemExit, match="explores=1"):
+        spec_compare.run(parser.parse_args(["--set", "explores=1"]))
 
 
 @pytest.mark.parametrize("seconds, rounds", [(0, 2), (10, 5), (100, 2 * spec_bench.MAX_ROUNDS)])

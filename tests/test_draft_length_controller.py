@@ -15,7 +15,7 @@ from mmkv.models import packed_linear
 from mmkv.sequence import Sequence
 from mmkv.speculation import DraftModelSpeculator, EarlyExitSpeculator, Speculator
 from speculative import DraftLengthController, SpeculativeConfig
-from speculative.controller import EARLY_EXIT_EXPLORE_LENGTH, EXPLORE, EXPLORE_LENGTH, HOLD_MAX
+from speculative.controller import EARLY_EXIT_EXPLORE_LENGTH, EXPLORE, EXPLORE_LENGTH, HOLD_MAX, Settings
 from speculative import costs as cost_model
 from speculative.costs import LinearFit, PassCosts
 from speculative.lengths import OutputLengths
@@ -128,6 +128,20 @@ def test_a_plain_pass_is_timed_before_the_first_priced_step():
     assert spec.controller.costs.count("plain") == 1 and spec.controller.planned == 1
     theta = spec.controller.costs.fit("plain").theta  # plain at 5.5 ms + 0.05 a row, verify at 5.0
     assert spec.controller.costs.predict("plain", 1, 3) == pytest.approx(plain_ms(1), rel=0.05), theta
+
+
+def test_settings_replace_the_controllers_constants():
+    """A controller on ``Settings(explore=1)`` prices after one exploring round and one plain
+    step, not after ``EXPLORE``; ``Settings.parse`` names what it cannot take."""
+    spec = ScriptedPair(lambda seq, pos: True, draft_ms, verify_ms)
+    spec.controller.settings = Settings(explore=1)
+    chosen = decode(spec, sequences(1), 3, plain_ms)
+    assert chosen == [[EXPLORE_LENGTH], [0], [LIMIT]], chosen
+    assert Settings.parse(["explore=1", "round_margin=1.25"]) == Settings(explore=1, round_margin=1.25)
+    for bad, named in ((["explores=1"], "explores=1"), (["explore=1.5"], "explore takes an integer"),
+                       (["round_margin"], "round_margin")):
+        with pytest.raises(ValueError, match=named):
+            Settings.parse(bad)
 
 
 def test_a_mixed_batch_drafts_different_lengths():

@@ -1,0 +1,89 @@
+"""A change of the speculation controller's settings against its defaults, engines taking turns.
+
+``python -m mmkv.bench spec-compare --method early_exit --load summaries --batch 8 --set explore=1``:
+each round a plain engine, a speculative engine on the controller's default settings (``old``)
+and one on the changed settings (``new``), fresh and warmed up as ``bench spec`` makes them, serve
+the same prompts taking turns step by step (``spec_bench.in_turns``). It reports ``new_over_old``
+(old's seconds over new's: above 1, the change is faster) and each one's speedup over the plain
+engine, per round and as the median of rounds, and the draft tokens each speculative engine
+proposed; the first round is left out (it warms the process). ``--set`` takes any field of ``speculative.controller.Settings``; without it the two
+speculative engines are identical, which shows the comparison's own noise.
+
+Three engines taking turns run slower than two, and speculation loses less of its speed among
+three than plain decoding does, so the speedups here read higher than ``bench spec``'s pairs; the
+ratio between the two speculative engines, which meet the same conditions, is what to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import fields
+from pathlib import Path
+
+from mmkv.bench.spec_bench import DRAFT_MODEL, fresh_engine, in_turns, workloads
+from mmkv.engine import BUNDLED_MODEL, BUNDLED_SPECULATION
+from speculative import SpeculativeConfig
+from speculative.controller import Settings
+
+METHODS = ("early_exit", "draft_model")
+LOADS = ("scenes", "summaries")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL)
+    p.add_argument("--draft", type=Path, default=DRAFT_MODEL)
+    p.add_argument("--method", choices=METHODS, default="early_exit")
+    p.add_argument("--load", choices=LOADS, default="summaries")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests served (default: 8 at batch 1, 32 otherwise, as bench spec)")
+    p.add_argument("--rounds", type=int, default=8, help="counted rounds (one more warms up)")
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
+                   help="a controller setting of the new engine (speculative.controller.Settings)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.rounds < 1 or args.batch < 1:
+        raise SystemExit(f"--rounds and --batch must be at least 1, got {args.rounds} and {args.batch}")
+    try:
+        settings = Settings.parse(args.settings)
+    except ValueError as err:
+        raise SystemExit(f"--set {err}") from None
+    requests = args.requests or (8 if args.batch == 1 else 32)
+    prompts = workloads(requests, args.seed)[args.load]
+    speculative = SpeculativeConfig(method=args.method, num_tokens=BUNDLED_SPECULATION["num_tokens"],
+                                    adaptive_threshold=BUNDLED_SPECULATION["adaptive_threshold"],
+                                    draft_model=args.draft if args.method == "draft_model" else None)
+    ratios: dict[str, list[float]] = {"new_over_old": [], "speedup_old": [], "speedup_new": []}
+    drafted = {"old": 0, "new": 0}
+    equal = True
+    for counted in [False] + [True] * args.rounds:
+        engines = {"plain": fresh_engine(args.model, prompts, args.batch, None),
+                   "old": fresh_engine(args.model, prompts, args.batch, speculative),
+                   "new": fresh_engine(args.model, prompts, args.batch, speculative, settings=settings)}
+        runs = in_turns(engines, prompts, args.batch)
+        equal &= runs["old"][0] == runs["plain"][0] == runs["new"][0]
+        if counted:
+            plain, old, new = (runs[name][1] for name in ("plain", "old", "new"))
+            ratios["new_over_old"].append(old / new)
+            ratios["speedup_old"].append(plain / old)
+            ratios["speedup_new"].append(plain / new)
+            for name in drafted:
+                drafted[name] += runs[name][2]["spec_drafted_tokens"]
+    result: dict = {"method": args.method, "load": args.load, "batch": args.batch,
+                    "settings": _changed(settings), "rounds": args.rounds}
+    for key, values in ratios.items():
+        result[key] = round(statistics.median(values), 3)
+        result[f"{key}_rounds"] = [round(v, 3) for v in values]
+    result.update({f"drafted_{name}": count for name, count in drafted.items()})
+    result["outputs_equal"] = equal
+    return result
+
+
+def _changed(settings: Settings) -> dict:
+    """The settings that differ from the defaults."""
+    default = Settings()
+    return {f.name: getattr(settings, f.name) for f in fields(Settings)
+            if getattr(settings, f.name) != getattr(default, f.name)}
