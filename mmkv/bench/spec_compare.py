@@ -5,9 +5,10 @@ each round a plain engine, a speculative engine on the controller's default sett
 and one on the changed settings (``new``), fresh and warmed up as ``bench spec`` makes them, serve
 the same prompts taking turns step by step (``spec_bench.in_turns``). It reports ``new_over_old``
 (old's seconds over new's: above 1, the change is faster) and each one's speedup over the plain
-engine, per round and as the median of rounds, and the draft tokens each speculative engine
-proposed; the first round is left out (it warms the process). ``--set`` takes any field of ``speculative.controller.Settings``; without it the two
-speculative engines are identical, which shows the comparison's own noise.
+engine, per round and as the median of rounds (``spec_bench.paired``), and the draft tokens each
+speculative engine proposed; the first round is left out (it warms the process). ``--set`` takes
+any field of ``speculative.controller.Settings``; without it the two speculative engines are
+identical, which shows the comparison's own noise.
 
 Three engines taking turns run slower than two, and speculation loses less of its speed among
 three than plain decoding does, so the speedups here read higher than ``bench spec``'s pairs; the
@@ -17,11 +18,10 @@ ratio between the two speculative engines, which meet the same conditions, is wh
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import fields
 from pathlib import Path
 
-from mmkv.bench.spec_bench import DRAFT_MODEL, fresh_engine, in_turns, workloads
+from mmkv.bench.spec_bench import DRAFT_MODEL, PLAIN, fresh_engine, in_turns, paired, workloads
 from mmkv.engine import BUNDLED_MODEL, BUNDLED_SPECULATION
 from speculative import SpeculativeConfig
 from speculative.controller import Settings
@@ -56,27 +56,26 @@ def run(args: argparse.Namespace) -> dict:
     speculative = SpeculativeConfig(method=args.method, num_tokens=BUNDLED_SPECULATION["num_tokens"],
                                     adaptive_threshold=BUNDLED_SPECULATION["adaptive_threshold"],
                                     draft_model=args.draft if args.method == "draft_model" else None)
-    ratios: dict[str, list[float]] = {"new_over_old": [], "speedup_old": [], "speedup_new": []}
+    seconds: dict[str, list[float]] = {PLAIN: [], "old": [], "new": []}  # each counted round's run
     drafted = {"old": 0, "new": 0}
     equal = True
     for counted in [False] + [True] * args.rounds:
-        engines = {"plain": fresh_engine(args.model, prompts, args.batch, None),
+        engines = {PLAIN: fresh_engine(args.model, prompts, args.batch, None),
                    "old": fresh_engine(args.model, prompts, args.batch, speculative),
                    "new": fresh_engine(args.model, prompts, args.batch, speculative, settings=settings)}
         runs = in_turns(engines, prompts, args.batch)
-        equal &= runs["old"][0] == runs["plain"][0] == runs["new"][0]
+        equal &= runs["old"][0] == runs[PLAIN][0] == runs["new"][0]
         if counted:
-            plain, old, new = (runs[name][1] for name in ("plain", "old", "new"))
-            ratios["new_over_old"].append(old / new)
-            ratios["speedup_old"].append(plain / old)
-            ratios["speedup_new"].append(plain / new)
+            for name, run in runs.items():
+                seconds[name].append(run[1])
             for name in drafted:
                 drafted[name] += runs[name][2]["spec_drafted_tokens"]
     result: dict = {"method": args.method, "load": args.load, "batch": args.batch,
                     "settings": _changed(settings), "rounds": args.rounds}
-    for key, values in ratios.items():
-        result[key] = round(statistics.median(values), 3)
-        result[f"{key}_rounds"] = [round(v, 3) for v in values]
+    for key, base, variant in (("new_over_old", "old", "new"), ("speedup_old", PLAIN, "old"),
+                               ("speedup_new", PLAIN, "new")):
+        result[key] = round(paired(seconds[base], seconds[variant]), 3)
+        result[f"{key}_rounds"] = [round(b / s, 3) for b, s in zip(seconds[base], seconds[variant])]
     result.update({f"drafted_{name}": count for name, count in drafted.items()})
     result["outputs_equal"] = equal
     return result
