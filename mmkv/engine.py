@@ -434,6 +434,7 @@ class Engine:
             reason = None
             for token in verdict.tokens:
                 seq.token_ids.append(token)
+                self._counters["generated_tokens"] += 1
                 if (reason := self._finish_reason(seq, token)) is not None:
                     break
             # Committed once the accepted drafts are in token_ids: blocks are cached by their keys.

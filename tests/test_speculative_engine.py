@@ -42,6 +42,7 @@ def test_early_exit_greedy_equals_transformers(model_dirs, hf_oracle, family, ga
         assert o.token_ids == hf_oracle(family, p, 24)
     stats = eng.stats()
     assert stats["spec_rounds"] > 0 and stats["blocks_in_use"] == 0
+    assert stats["generated_tokens"] == sum(len(o.token_ids) for o in outs)
 
 
 def test_early_exit_with_prefix_hits_preemption_and_adaptive_drafting(model_dirs, hf_oracle):
