@@ -20,3 +20,8 @@ class CacheMetrics:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+    def reset(self) -> None:
+        """Every counter back to 0 (shared with the radix tree, so reset in place)."""
+        for name in self.__slots__:
+            setattr(self, name, 0)

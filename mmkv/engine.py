@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from mmkv.models.mrope import step_positions
 from mmkv.outputs import CompletionOutput, RequestOutput
 from mmkv.sampler import sample, token_logprob
 from mmkv.sampling_params import SamplingParams
-from mmkv.scheduler import Scheduler, SchedulerConfig
+from mmkv.scheduler import PreemptionStats, Scheduler, SchedulerConfig
 from mmkv.speculation import DraftModelSpeculator, EarlyExitSpeculator
 from mmkv.sequence import SeqImage, Sequence, Status
 from speculative import SpeculativeConfig
@@ -38,6 +39,10 @@ IMAGE_PLACEHOLDER = "<image>"
 BUNDLED_MODEL = Path(__file__).parent / "bundled" / "tiny-vlm"
 # Early-exit settings measured fastest on the bundled model (python -m mmkv.bench spec)
 BUNDLED_SPECULATION = {"num_tokens": 24, "adaptive_threshold": 0.9}
+CALIBRATION_BATCHES = (1, 8, 32)  # batch sizes the engine times its passes at, when it speculates
+CALIBRATION_LENGTHS = (0, 1, 0, 3, 0, 8) * 2  # each calibration step's draft length (0: plain)
+CALIBRATION_PROMPT = 512  # its made-up prompts run 16 tokens to this many (the contexts' spread)
+CALIBRATION_SALT = "mmkv-calibration"  # the calibration's prompts share no cache with requests
 
 
 @dataclass(slots=True)
@@ -100,14 +105,7 @@ class Engine:
         self.one_call_cross = ONE_CALL if one_call_cross else None
         self.debug = debug
         self._requests: dict[int, list[Sequence]] = {}
-        self._ids = itertools.count()
-        self._arrivals = itertools.count()
-        self._counters = {"prompt_tokens": 0, "computed_prefill_tokens": 0, "decode_tokens": 0,
-                          "generated_tokens": 0}
-        # seconds in steps that compute more than each sequence's pending token (prompt chunks,
-        # recomputation; a step mixing them with decoding counts here) and in decoding steps
-        self._step_seconds = {"step_seconds_prefill": 0.0, "step_seconds_decode": 0.0}
-        self._peak_blocks = 0
+        self._start_counting()
         cores = torch.get_num_threads()
         self.decode_threads = DecodeThreads(cores) if self.device.type == "cpu" and cores > 1 else None
         self.speculator = None
@@ -116,6 +114,59 @@ class Engine:
                                                    speculative, self._context)
         elif speculative is not None:
             self.speculator = EarlyExitSpeculator(self.model, speculative, self._context)
+        if (speculative is not None and speculative.draft_length == "auto"
+                and speculative.settings.calibrate):
+            self._calibrate_speculation()
+
+    def _start_counting(self) -> None:
+        """Request ids, arrivals and every counter ``stats`` reports from 0 (at construction,
+        and again after the calibration's requests)."""
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._counters = {"prompt_tokens": 0, "computed_prefill_tokens": 0, "decode_tokens": 0,
+                          "generated_tokens": 0}
+        # seconds in steps that compute more than each sequence's pending token (prompt chunks,
+        # recomputation; a step mixing them with decoding counts here) and in decoding steps
+        self._step_seconds = {"step_seconds_prefill": 0.0, "step_seconds_decode": 0.0}
+        self._peak_blocks = 0
+        self.kv.metrics.reset()
+        self.scheduler.preemptions = PreemptionStats()
+        self.scheduler.cached_prompt_tokens = 0
+
+    def _calibrate_speculation(self) -> None:
+        """Time plain, draft and verification passes before the first request, so the controller
+        prices its first decision from what the passes cost here (and explores only where a draft
+        that is always right would pay: ``speculative.controller``); then forget the calibration's
+        requests, blocks and counts, keeping the pass costs.
+
+        At each batch size of ``CALIBRATION_BATCHES`` up to ``max_num_seqs`` (and as far as half the
+        pool holds) the engine decodes made-up prompts of 16-512 ordinary tokens, every step's
+        draft length scripted (``CALIBRATION_LENGTHS``, 0 a plain step) and every draft a fixed
+        token, so every pass runs whatever the draft would have proposed."""
+        spec, rng = self.speculator, random.Random(0)
+        special = self.eos_token_ids | {self.model.image_token_id}
+        vocab = min(self.model.text_config.vocab_size, len(self.model.text_model.embed_tokens.weight))
+        ordinary = [t for t in range(vocab) if t not in special]  # the draft model's vocabulary too
+        tail = len(CALIBRATION_LENGTHS) + max(CALIBRATION_LENGTHS) + 2
+        longest = min(CALIBRATION_PROMPT, self.max_model_len - tail)
+        blocks = -(-(longest + tail) // self.kv.block_size)
+        batches = [b for b in CALIBRATION_BATCHES
+                   if b <= self.max_num_seqs and b * blocks <= self.kv.pool.num_blocks // 2]
+        if longest < 16 or not batches:
+            return
+        spec.proposals = lambda seq, depth: ordinary[0]
+        params = SamplingParams(max_tokens=len(CALIBRATION_LENGTHS) + 1, ignore_eos=True)
+        for batch in batches:
+            spec.controller.script.extend(CALIBRATION_LENGTHS)
+            prompts = [[rng.choice(ordinary) for _ in range(rng.randint(16, longest))]
+                       for _ in range(batch)]
+            self.generate(prompts, params, use_tqdm=False, cache_salt=CALIBRATION_SALT)
+            spec.controller.script.clear()
+        spec.keep_costs_only()
+        self.kv.tree.evict(self.kv.pool.num_evictable)
+        self._start_counting()
+        if self.decode_threads is not None:  # its choice is the requests' batches' to make
+            self.decode_threads = DecodeThreads(self.decode_threads.wide)
 
     # -- submission -----------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,

@@ -94,11 +94,21 @@ class Speculator(ABC):
         self.model, self.config, self.context = model, config, context
         self.stats = SpeculationStats()
         self.controller = DraftLengthController(config.num_tokens, config.draft_length == "fixed", clock,
-                                                self.explore_sequences, self.explore_length)
+                                                self.explore_sequences, self.explore_length,
+                                                config.settings)
         self._previous: tuple[tuple[int, ...], StepContext] | None = None  # the last draft pass
         # A measurement's stand-in for the draft's tokens: (sequence, pass) -> the token to propose
         self.proposals: Callable[[Sequence, int], int] | None = None
         self._verification: tuple[int, int, tuple[float, int], int] | None = None  # to time
+
+    def keep_costs_only(self) -> None:
+        """Forget everything learned and counted but the pass costs (after the engine's
+        calibration): a fresh controller on the same settings with the old one's cost fits."""
+        old = self.controller
+        self.controller = DraftLengthController(old.positions, old.fixed, old.clock, old.explore_sequences,
+                                                old.explore_length, old.settings)
+        self.controller.costs = old.costs
+        self.stats, self.proposals, self._previous = SpeculationStats(), None, None
 
     def follow(self, input_ids: torch.Tensor, step: StepContext, seqs: list[Sequence],
                q_lens: list[int]) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from speculative.controller import Settings
 
 METHODS = ("early_exit", "draft_model")
 DRAFT_LENGTHS = ("auto", "fixed")
@@ -19,7 +21,8 @@ class SpeculativeConfig:
     (``speculative.controller``) chooses every sequence's draft length, 0 included, from measured
     costs and acceptance, decoding plainly when speculation would not pay; ``"fixed"``: every
     round drafts ``num_tokens``. With ``adaptive_threshold`` a round also stops a sequence's
-    drafting once the draft's top probability falls below it.
+    drafting once the draft's top probability falls below it. ``settings``: the controller's
+    tunable constants (``speculative.controller.Settings``).
     """
 
     method: str = "early_exit"
@@ -28,6 +31,7 @@ class SpeculativeConfig:
     draft_model: str | Path | None = None
     adaptive_threshold: float | None = None
     draft_length: str = "auto"
+    settings: Settings = field(default_factory=Settings)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -38,5 +42,7 @@ class SpeculativeConfig:
             raise ValueError("method 'draft_model' needs draft_model (a model directory)")
         if self.draft_length not in DRAFT_LENGTHS:
             raise ValueError(f"draft_length must be one of {DRAFT_LENGTHS}, got {self.draft_length!r}")
+        if not isinstance(self.settings, Settings):
+            raise ValueError(f"settings must be a speculative.controller.Settings, got {self.settings!r}")
         if self.adaptive_threshold is not None and not 0 < self.adaptive_threshold < 1:
             raise ValueError(f"adaptive_threshold must be in (0, 1), got {self.adaptive_threshold}")

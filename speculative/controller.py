@@ -50,7 +50,8 @@ the draft model's summaries at batch 8 0.957x -> 0.973x of plain decoding, at ba
 smoothed share of recent steps that ran a round, from 0) tells a draft model whether to follow
 prompts at prefill or leave them to catch-up.
 
-Before it has timed ``EXPLORE`` verification passes the controller explores: it drafts up to
+Until it has timed ``EXPLORE`` verification passes and seen ``EXPLORE`` sequences' rounds (its
+acceptance rates rest on no fewer) the controller explores: it drafts up to
 ``explore_length`` tokens a sequence (``EXPLORE_LENGTH`` unless the speculator asks for more; a
 position not yet tried is expected to go as the deepest one tried, so longer drafts are tried where
 acceptance is high). Early exit explores ``EARLY_EXIT_EXPLORE_LENGTH`` deep: every sequence runs
@@ -81,40 +82,57 @@ four, engines taking turns over 8 rounds, the draft model ran 1.02-1.05x faster 
 decoding's cost comes from the same fit as verification's (``speculative.costs``), so the exploring
 rounds time it too and every round keeps it current.
 
+Calibration. With ``calibrate`` (the default) the engine times its passes before its first
+request (``Engine``: made-up prompts decoded at batch sizes 1, 8 and 32, every step's length
+given by ``script``) and the controller keeps those cost fits, forgetting everything else. An
+engine that knows its passes' costs explores only where a draft that is always right would pay:
+each exploring round is first priced as if every draft were proposed and accepted (``sure``),
+and where not even that round beats plain decoding by the margin the step decodes plainly, a
+priced plain decision held ``HOLD_MAX`` steps (Holding, below). So a batch too large for rounds
+to pay never runs the exploring round whose catch-up and thin passes it would only lose to (the
+draft model's summaries at batches 8 and 32 drafted 0-7 tokens a run, 24 without calibration,
+all in exploring), and a fresh engine needs no plain step before it prices. (Paired with engines that do not calibrate, ``bench spec-compare --set
+calibrate=0``, 6 rounds, three runs of which the first two calibrated on shorter prompts or held
+unpayable decisions as any other: early exit's summaries at batch 8 1.08-1.09x, the draft model's
+summaries at batches 8 and 32 1.00-1.02x, early exit's scenes at batch 32 1.00-1.05x; the draft
+model's scenes at batch 8 0.98-0.99x and early exit's summaries at batch 32 0.95-1.01x, where the
+first priced rounds decide; the draft model's batch-1 scenes 0.90-1.00x, whose runs fall into
+modes either way; the other cells within 2 %.)
+
 The margin. A round is taken only when it promises ``ROUND_MARGIN`` times plain decoding's
 goodput: what the model leaves out (the slots a round reserves, the rates' and fits' noise)
 costs a round a few per cent, so a round priced at break-even is a loss measured. (The engine's
 work on a round's verdicts is in the verification pass's time, as the same work is in a plain
 step's.)
 
-Holding. Planning costs about 0.3 ms inside the engine (tens of small array operations, run
-with the caches full of the model's weights): a quarter of a batch-1 step of the bundled model,
-a sixth of a batch-8 one. So a priced decision to decode plainly is kept without planning for the
-next steps while the batch stays in its size class (1, 2-3, 4-7, 8-15, ...) or a larger one (a
-round pays less the more rows verification carries). Each class keeps its own span: 1 step after
-its first plain decision, doubling with every one that follows up to ``HOLD_MAX``; a priced round
-in a class starts that class's span again at 1 (rounds pay there now, so a return to plain
+Holding. Planning costs about 0.3 ms inside the engine (tens of small array operations, run with
+the caches full of the model's weights): a quarter of a batch-1 step of the bundled model, a sixth
+of a batch-8 one. So a priced decision to decode plainly is kept without planning for the next
+steps while the batch stays in its size class (1, 2-3, 4-7, 8-15, ...) or a larger one (a round
+pays less the more rows verification carries). Each class keeps its own span: 1 step after its
+first plain decision, doubling with every one that follows up to ``HOLD_MAX`` (``HOLD_MAX`` at once
+when not even a draft that is always right would pay: no acceptance can change that); a priced
+round in a class starts that class's span again at 1 (rounds pay there now, so a return to plain
 decoding is checked soon), and leaves the other classes' alone (the rounds a batch's last few
 sequences run as it drains do not cost the next full batch its long hold). A batch in a smaller
 class ends the hold and is priced at once, and so does a batch that a sequence has joined since
-(every token of a new sequence lies ahead, where the decision may have been made for sequences
-near their ends: a batch's last summaries, a few tokens from theirs, chose plain decoding, and
-the next batch's fresh ones inherited it for up to 64 steps of rounds that paid). Nothing a plain
-step teaches the controller but plain decoding's cost changes while it holds, so a workload
-that starts to pay at the same batch size and the same sequences waits at most ``HOLD_MAX``
-steps for its first round. A priced round's
-lengths are held the same way while the batch is the same sequences (each clipped to its limit):
-1 round, then 2, up to ``ROUND_HOLD_MAX`` while pricing keeps choosing the same sequences to
-draft, 1 again when it chooses others (a re-check that lets a sequence whose drafts were rejected
-draft again is held for one round, not four); a round moves a sequence's rates by one observation
-against the ten or so its decayed counts weigh, and at batch 1 planning every round cost 7 % of
-the bundled model's summaries. A round is held only while the engine-wide rates rest on at least
-``ROUND_HOLD_EVIDENCE`` times the observations it adds (one per drafting sequence); before that
-its outcome can move them far, and the next step is priced. (At batch 32 the draft model's first
-priced round, after an exploring round of four sequences whose drafts were all accepted, gave all
-32 sequences 6 drafts; every one stopped unsure at its first, and the held round after it cost
-about 10 ms more than plain steps. Paired over 8 rounds: draft model scenes at batch 32 1.03x,
-early exit summaries at batch 8 1.06x over 6, the other cells tried within noise.)
+(every token of a new sequence lies ahead, where the decision may have been made for sequences near
+their ends: a batch's last summaries, a few tokens from theirs, chose plain decoding, and the next
+batch's fresh ones inherited it for up to 64 steps of rounds that paid). Nothing a plain step
+teaches the controller but plain decoding's cost changes while it holds, so a workload that starts
+to pay at the same batch size and the same sequences waits at most ``HOLD_MAX`` steps for its first
+round. A priced round's lengths are held the same way while the batch is the same sequences (each
+clipped to its limit): 1 round, then 2, up to ``ROUND_HOLD_MAX`` while pricing keeps choosing the
+same sequences to draft, 1 again when it chooses others (a re-check that lets a sequence whose
+drafts were rejected draft again is held for one round, not four); a round moves a sequence's rates
+by one observation against the ten or so its decayed counts weigh, and at batch 1 planning every
+round cost 7 % of the bundled model's summaries. A round is held only while the engine-wide rates
+rest on at least ``ROUND_HOLD_EVIDENCE`` times the observations it adds (one per drafting
+sequence); before that its outcome can move them far, and the next step is priced. (At batch 32 the
+draft model's first priced round, after an exploring round of four sequences whose drafts were all
+accepted, gave all 32 sequences 6 drafts; every one stopped unsure at its first, and the held round
+after it cost about 10 ms more than plain steps. Paired over 8 rounds: draft model scenes at batch
+32 1.03x, early exit summaries at batch 8 1.06x over 6, the other cells tried within noise.)
 
 The constants below (``EXPLORE``, ``FRONTIER_GROWTH``, ``ROUND_MARGIN``, the holds' and
 ``PREFILL_DRAFT_SHARE``) are the defaults of ``Settings``, which a controller may be given
@@ -151,12 +169,14 @@ ROUND_HOLD_EVIDENCE = 1.0  # ... only if the rates rest on this x the observatio
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
 ROUNDS_SMOOTHING = 0.1  # weight of the latest step in ``rounds_share``
 PREFILL_DRAFT_SHARE = 0.2  # the draft model follows prompts while rounds_share is at least this
+CALIBRATE = 1  # 1: the engine times its passes when it starts (the module docstring); 0: it does not
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
     """The controller's tunable constants, the module's by default (``python -m mmkv.bench
-    spec-compare --set NAME=VALUE`` measures a change of them against the defaults)."""
+    spec-compare --set NAME=VALUE`` measures a change of them against the defaults), given to
+    the engine in ``SpeculativeConfig.settings``."""
 
     explore: int = EXPLORE
     frontier_growth: int = FRONTIER_GROWTH
@@ -165,6 +185,7 @@ class Settings:
     round_hold_max: int = ROUND_HOLD_MAX
     round_hold_evidence: float = ROUND_HOLD_EVIDENCE
     prefill_draft_share: float = PREFILL_DRAFT_SHARE
+    calibrate: int = CALIBRATE
 
     @classmethod
     def parse(cls, assignments: list[str]) -> Settings:
@@ -193,9 +214,10 @@ class DraftLengthController:
 
     def __init__(self, positions: int, fixed: bool = False,
                  clock: Callable[[], float] = time.perf_counter,
-                 explore_sequences: int | None = None, explore_length: int = EXPLORE_LENGTH) -> None:
+                 explore_sequences: int | None = None, explore_length: int = EXPLORE_LENGTH,
+                 settings: Settings | None = None) -> None:
         self.positions, self.fixed, self.clock = positions, fixed, clock
-        self.settings = Settings()  # may be replaced before the first choice
+        self.settings = settings or Settings()  # may be replaced before the first choice
         self.explore_sequences = explore_sequences  # None: every sequence explores
         self.explore_length = explore_length
         self.costs = PassCosts()
@@ -207,8 +229,10 @@ class DraftLengthController:
         self.rounds_share = 0.0  # smoothed share of recent steps that ran a round
         self.histories: deque[DraftHistory] = deque(maxlen=HISTORIES_KEPT)
         self.planned = 0  # choices priced (the rest were held or explored)
+        self.script: deque[int] = deque()  # lengths the next steps draft, chosen by none (calibration)
         self._hold: tuple[int, int] | None = None  # the held plain decision: batch size class, steps left
         self._plain_spans: dict[int, int] = {}  # batch size class -> its last plain hold's span
+        self._unpayable = False  # the last priced step: not even a draft always right would pay
         self._round_hold: tuple[list[DraftHistory], list[int], int, int] | None = None
         # the sequences, their lengths, rounds left, the span
 
@@ -224,14 +248,17 @@ class DraftLengthController:
         ``progress``: for each, the tokens it has generated and the most it may still generate
         (where it is expected to end comes from ``lengths``, what recent outputs ran to);
         ``behind``: for each, the positions a draft model must fill in before it can draft."""
-        if self.fixed:
+        if self.script:
+            length = self.script.popleft()
+            caps = [min(length, limit) for limit in limits]
+        elif self.fixed:
             caps = list(limits)
         elif self._holding(histories):
             caps = [0] * len(limits)
         elif (held := self._held_round(histories, limits)) is not None:
             caps = held
         else:
-            planned = self.planned
+            planned, self._unpayable = self.planned, False
             caps = self._caps(histories, limits, lengths, progress, behind)
             self._hold_after(caps, histories, priced=self.planned > planned)
         for history, cap in zip(histories, caps):
@@ -277,7 +304,8 @@ class DraftLengthController:
             self._hold, self._round_hold = None, (list(histories), caps, held, span)
             self._plain_spans.pop(size_class, None)
         else:
-            span = min(self.settings.hold_max, 2 * self._plain_spans.get(size_class, 0)) or 1
+            span = (self.settings.hold_max if self._unpayable
+                    else min(self.settings.hold_max, 2 * self._plain_spans.get(size_class, 0)) or 1)
             self._plain_spans[size_class] = span
             self._hold, self._round_hold = (size_class, span), None
 
@@ -312,7 +340,12 @@ class DraftLengthController:
               behind: list[int] | None = None) -> list[int]:
         if not any(limits):
             return [0] * len(limits)
-        if self.costs.count("verify") < self.settings.explore:
+        explore = self.settings.explore
+        if self.costs.count("verify") < explore or self.acceptance.version < explore:
+            if (self.costs.count("plain") and self.costs.count("verify")
+                    and not any(self._priced(histories, limits, lengths, progress, behind, sure=True))):
+                self._unpayable = True  # not even a draft that is always right would pay
+                return [0] * len(limits)
             caps, room = [], self.explore_sequences or len(limits)
             for limit in limits:
                 caps.append(min(limit, self.explore_length) if room else 0)
@@ -320,13 +353,20 @@ class DraftLengthController:
             return caps
         if not self.costs.count("plain"):
             return [0] * len(limits)  # time a plain pass before pricing (the module docstring)
+        return self._priced(histories, limits, lengths, progress, behind)
+
+    def _priced(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
+                progress: list[tuple[int, int]] | None, behind: list[int] | None,
+                sure: bool = False) -> list[int]:
+        """The lengths of the best round if it beats plain decoding by the margin, else 0s
+        (``sure``: priced as if every draft were proposed and accepted)."""
         self.planned += 1
         if behind is not None and any(behind):
             frontier = self.settings.frontier_growth * max(self.explore_length, self.acceptance.reached)
             limits = [min(limit, frontier) if debt else limit for limit, debt in zip(limits, behind)]
         costs, batch, context = self.costs, len(limits), sum(lengths)
         plain = batch / costs.predict("plain", batch, context)
-        proposes, accepted, accepts = self._curves(histories, limits)
+        proposes, accepted, accepts = self._curves(histories, limits, sure)
         if progress is not None and self.lengths.recent:  # no draft or token past the output's end
             running = self.lengths.survival([generated for generated, _ in progress], proposes.shape[1])
             running[np.arange(running.shape[1]) >= np.asarray([cap for _, cap in progress])[:, None]] = 0.0
@@ -355,11 +395,16 @@ class DraftLengthController:
             caps = np.minimum(length, horizons).tolist()
         return caps
 
-    def _curves(self, histories: list[DraftHistory], limits: list[int]) -> tuple[np.ndarray, ...]:
+    def _curves(self, histories: list[DraftHistory], limits: list[int],
+                sure: bool = False) -> tuple[np.ndarray, ...]:
         """Every sequence's cumulative products of its rates as rows of ``[B, max limit]``
-        arrays: it proposes a ``j``-th draft; its first ``j`` proposals are all accepted; both.
-        Past a sequence's limit the rows hold 0, 0 and -1 (below any threshold)."""
-        proposed, accepted = self.acceptance.rates(histories, max(limits))
+        arrays: it proposes a ``j``-th draft; its first ``j`` proposals are all accepted; both
+        (``sure``: every rate 1). Past a sequence's limit the rows hold 0, 0 and -1 (below any
+        threshold)."""
+        if sure:
+            proposed = accepted = np.ones((len(histories), max(limits)))
+        else:
+            proposed, accepted = self.acceptance.rates(histories, max(limits))
         d, a = np.cumprod(proposed, axis=1), np.cumprod(accepted, axis=1)
         past = np.arange(d.shape[1]) >= np.asarray(limits)[:, None]
         d[past] = 0.0

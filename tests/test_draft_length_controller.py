@@ -171,6 +171,26 @@ def test_a_large_batch_decodes_plainly_and_speculation_returns_when_it_shrinks()
     assert all(g[0] > 0 for g in chosen[6:]), chosen
 
 
+def test_with_its_pass_costs_known_it_explores_only_where_a_sure_draft_would_pay():
+    """A draft pass costs 0.5 ms a sequence: at batch 32 its passes alone cost more than a plain
+    step (5 + 0.5 ms a sequence), so not even a draft that is always right pays; at batch 1 it
+    does. With its pass costs timed first, as the engine calibrates (scripted lengths at batches
+    1 and 32, then all but the costs forgotten), the controller decodes a fresh batch of 32
+    plainly from its first step, exploring nothing and holding that decision as long as any, and
+    explores a lone sequence at once."""
+    spec = ScriptedPair(lambda seq, pos: True, lambda rows: 0.5 * rows, lambda rows: 5.0 + 0.5 * rows)
+    plain = lambda rows: 5.0 + 0.5 * rows  # noqa: E731
+    for batch in (1, 32):
+        spec.controller.script.extend([0, 1, 0, 3])
+        assert decode(spec, sequences(batch), 4, plain) == [[0] * batch, [1] * batch, [0] * batch, [3] * batch]
+    spec.keep_costs_only()
+    assert spec.controller.costs.count("verify") == 4 and spec.summary()["spec_rounds"] == 0
+    chosen = decode(spec, sequences(32), 12, plain)
+    assert not any(any(g) for g in chosen) and spec.controller.acceptance.version == 0, chosen
+    assert spec.controller.planned == 1  # no acceptance changes that: held for HOLD_MAX steps
+    assert decode(spec, sequences(1), 1, plain) == [[EXPLORE_LENGTH]]
+
+
 def test_rounds_keep_plain_decodings_cost_current():
     """A plain pass is a verification pass with no drafts, so the two share one cost fit: a cold
     first plain step (20 ms) is corrected by the verification passes rounds time (5 ms), and a

@@ -21,6 +21,7 @@ from speculative import SpeculativeConfig
 from test_engine_oracle import BLOCK_BYTES, GREEDY, assert_matches_oracle, prompts
 from test_multimodal import BLOCK_BYTES as VLM_BLOCK_BYTES, P, hf_models, oracle, q  # noqa: F401
 from test_torch_attention import BS, D, HKV, HQ, build
+from tiny_models import LEARNING
 from tiny_vlms import picture
 
 CPU = torch.device("cpu")
@@ -76,7 +77,8 @@ def test_early_exit_speculation_over_the_reference_kernels(model_dirs, hf_oracle
     [doc] = prompts(55, [21])
     batch = [doc + p for p in prompts(56, [3, 4, 5])] + prompts(57, [9])
     eng, backend = fi_engine(model_dirs["llama"], speculative=SpeculativeConfig(num_tokens=4,
-                                                                                early_exit_layer=1))
+                                                                                early_exit_layer=1,
+                                                                                settings=LEARNING))
     outs = eng.generate(batch, SamplingParams(max_tokens=24, ignore_eos=True))
     for p, o in zip(batch, outs):
         assert o.token_ids == hf_oracle("llama", p, 24)
@@ -89,7 +91,7 @@ def test_draft_model_speculation_over_the_reference_kernels(model_dirs, hf_oracl
     draft = build_model("llama", tmp_path / "draft", seed=3, num_hidden_layers=1)
     eng, _ = fi_engine(model_dirs["llama"], blocks=1024,
                        speculative=SpeculativeConfig(method="draft_model", draft_model=str(draft),
-                                                     num_tokens=3))
+                                                     num_tokens=3, settings=LEARNING))
     batch = prompts(58, [6, 13])
     outs = eng.generate(batch, SamplingParams(max_tokens=24, ignore_eos=True))
     for p, o in zip(batch, outs):

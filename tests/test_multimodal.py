@@ -7,6 +7,7 @@ from transformers import AutoImageProcessor, LlavaForConditionalGeneration, Mlla
 from mmkv import Engine, SamplingParams
 from mmkv.models import MmkvVLM
 from speculative import SpeculativeConfig
+from tiny_models import LEARNING
 from tiny_vlms import (IMAGE_TOKEN, llava_greedy, mllama_greedy, mmkv_vlm_plain_greedy, picture)
 from vision import ImageError
 
@@ -145,7 +146,8 @@ def test_early_exit_speculation_matches_the_reference(vlm_dirs, hf_models, famil
     requests = [{"prompt": p, "images": [img]} for img in images for p in prompts] + [
         list(b"text only")]
     eng = vlm_engine(vlm_dirs, family, max_num_batched_tokens=budget,
-                     speculative=SpeculativeConfig(num_tokens=3, early_exit_layer=k))
+                     speculative=SpeculativeConfig(num_tokens=3, early_exit_layer=k,
+                                                       settings=LEARNING))
     outs = eng.generate(requests, P)
     for req, out in zip(requests[:-1], outs):
         assert out.token_ids == oracle(family, hf_models, eng, req["prompt"], req["images"])

@@ -10,6 +10,7 @@ from mmkv import Engine, SamplingParams
 from server_harness import MODEL_NAME, png_data_url, start_server
 from test_fused_layer import assert_same_as_modules
 from speculative import SpeculativeConfig
+from tiny_models import LEARNING
 from tiny_qwen_vl import FAMILIES, IMAGE_PAD, build_qwen_vl, hf_greedy, load_oracle, picture
 
 P = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -148,7 +149,7 @@ def test_early_exit_speculation(tmp_path, family):
     drafts' lower-layer K/V were written at the positions the draft passes gave them."""
     directory = build_qwen_vl(family, tmp_path / family, quiet_from=1)
     eng = qwen_engine({family: directory}, family,
-                      speculative=SpeculativeConfig(num_tokens=3, early_exit_layer=1))
+                      speculative=SpeculativeConfig(num_tokens=3, early_exit_layer=1, settings=LEARNING))
     outs = run(eng, REQUESTS)
     model, processor = load_oracle(family, directory)
     for (text, images), out in zip(REQUESTS, outs):

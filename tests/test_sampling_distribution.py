@@ -21,6 +21,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, TemperatureLogitsWa
 from mmkv import Engine, SamplingParams
 from speculative import SpeculativeConfig
 from test_speculative_engine import FrozenCosts
+from tiny_models import LEARNING
 
 VOCAB = 16
 PROMPT = [1, 2, 3, 4, 5]
@@ -120,13 +121,13 @@ def test_rejection_sampling_keeps_the_target_distribution(small_vocab_model, num
     positions 0-2 cover accepted drafts, corrections drawn from the residual and bonus tokens."""
     directory, model = small_vocab_model
     outs, stats = sample_many(directory, 6_000, SpeculativeConfig(num_tokens=num_tokens,
-                                                                   early_exit_layer=1),
+                                                                   early_exit_layer=1, settings=LEARNING),
                               temperature=1.0)
     assert stats["spec_rounds"] >= 6_000 and 0 < stats["spec_acceptance_rate"] < 1
     assert_samples_follow(outs, exact_marginals(model))
 
 
-@pytest.mark.parametrize("speculative", [None, SpeculativeConfig(num_tokens=2, early_exit_layer=1)],
+@pytest.mark.parametrize("speculative", [None, SpeculativeConfig(num_tokens=2, early_exit_layer=1, settings=LEARNING)],
                          ids=["plain", "speculative"])
 def test_temperature_top_k_and_top_p_shape_the_distribution(small_vocab_model, speculative):
     """4000 samples with temperature 0.6, top-k 4 and top-p 0.9 against transformers' warpers."""

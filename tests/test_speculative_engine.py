@@ -15,19 +15,21 @@ from mmkv.sampler import top_tokens, top_tokens_kernel
 from mmkv.sequence import Sequence
 from mmkv.speculation import Speculator, _draft
 from speculative import PassCosts, SpeculativeConfig
+from speculative.controller import Settings
 from test_engine_oracle import BLOCK_BYTES, prompts
-from tiny_models import FAMILIES, build_model, hf_greedy, load_hf
+from tiny_models import FAMILIES, LEARNING, build_model, hf_greedy, load_hf
 from tiny_vlms import IMAGE_TOKEN, picture
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
-def spec_engine(directory, blocks=1024, k=1, gamma=3, draft_length="auto", **kw) -> Engine:
+def spec_engine(directory, blocks=1024, k=1, gamma=3, draft_length="auto", settings=LEARNING,
+                **kw) -> Engine:
     kw.setdefault("debug", True)
     return Engine(directory, kv_cache_memory=blocks * BLOCK_BYTES, host_kv_memory=blocks * BLOCK_BYTES,
                   block_size=4, device="cpu",
                   speculative=SpeculativeConfig(num_tokens=gamma, early_exit_layer=k,
-                                                draft_length=draft_length), **kw)
+                                                draft_length=draft_length, settings=settings), **kw)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -193,13 +195,14 @@ def test_training_script_trains_the_exit_the_engine_drafts_from(vlm_dirs, k):
         torch.testing.assert_close(h, want[pos], atol=1e-4, rtol=1e-4)
 
 
-def draft_engine(target, draft, blocks=1024, gamma=3, draft_length="auto", **kw) -> Engine:
+def draft_engine(target, draft, blocks=1024, gamma=3, draft_length="auto", settings=LEARNING,
+                 **kw) -> Engine:
     kw.setdefault("debug", True)
     per_block = 2 * BLOCK_BYTES  # target and draft stores of the same blocks
     return Engine(target, kv_cache_memory=blocks * per_block, host_kv_memory=blocks * per_block,
                   block_size=4, device="cpu",
                   speculative=SpeculativeConfig(method="draft_model", num_tokens=gamma, draft_model=draft,
-                                                draft_length=draft_length),
+                                                draft_length=draft_length, settings=settings),
                   **kw)
 
 
@@ -212,6 +215,40 @@ def test_draft_model_greedy_equals_transformers(model_dirs, hf_oracle, tmp_path,
     for p, o in zip(batch, outs):
         assert o.token_ids == hf_oracle(family, p, 24)
     assert eng.stats()["spec_rounds"] > 0 and eng.kv.storage.layouts[1].num_layers == 1
+
+
+@pytest.mark.parametrize("method", ["early_exit", "draft_model"])
+def test_calibration_leaves_nothing_behind_but_the_pass_costs(model_dirs, tmp_path, method):
+    """An engine that speculates times its passes when it starts, decoding made-up requests at
+    batch sizes 1 and 8 (32 would take more than half of this pool), then forgets them: its
+    stats, request ids and blocks are those of an engine that did not, before and after both
+    serve the same requests with the same output, and its controller has timed plain, draft and
+    verification passes (and the draft model's catch-up)."""
+    draft = build_model("llama", tmp_path / "draft", seed=3, num_hidden_layers=1)
+
+    def engine(calibrate: int) -> Engine:
+        settings = Settings(calibrate=calibrate)
+        if method == "early_exit":
+            return spec_engine(model_dirs["llama"], settings=settings, max_num_seqs=8)
+        return draft_engine(model_dirs["llama"], draft, settings=settings, max_num_seqs=8)
+
+    def traces(eng: Engine) -> dict:  # what the requests leave, not how long or how they decoded
+        return {name: value for name, value in eng.stats().items()
+                if not name.startswith(("spec_", "step_seconds", "decode_threads"))}
+
+    calibrated, fresh = engine(1), engine(0)
+    kinds = ("plain", "verify", "first_draft", "draft") + (("catch_up",) if method == "draft_model" else ())
+    assert all(calibrated.speculator.controller.costs.count(kind) for kind in kinds)
+    assert not any(fresh.speculator.controller.costs.count(kind) for kind in kinds)
+    assert traces(calibrated) == traces(fresh)
+    assert calibrated.speculator.summary() == fresh.speculator.summary()  # nothing counted
+    if calibrated.decode_threads is not None:  # the requests' batches choose the thread count
+        assert vars(calibrated.decode_threads) == vars(fresh.decode_threads)
+    batch = prompts(49, [6, 13, 22])
+    outs = [eng.generate(batch, GREEDY) for eng in (calibrated, fresh)]
+    assert [o.request_id for o in outs[0]] == [o.request_id for o in outs[1]] == [0, 1, 2]
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    assert traces(calibrated) == traces(fresh)
 
 
 @pytest.mark.parametrize("method", ["draft_model", "early_exit"])

@@ -9,6 +9,8 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen
                           PreTrainedTokenizerFast)
 from transformers.utils import logging as hf_logging
 
+from speculative.controller import Settings
+
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
               initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -20,6 +22,11 @@ FAMILIES = {
     "llama_rope_scaled": lambda: LlamaConfig(
         **COMMON, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
 }
+
+# Speculation that learns its pass costs from its first rounds, which therefore run (explore)
+# whether or not a round could pay on these tiny models: tests of the rounds' exactness use it.
+# (Calibrated at start, an engine drafts nothing where a draft that is always right would not pay.)
+LEARNING = Settings(calibrate=0)
 
 
 def build_model(family: str, directory: Path, seed: int = 0, **overrides) -> Path:

@@ -55,7 +55,6 @@ from mmkv.models.base import read_config_json
 from mmkv.speculation import SpeculationStats
 from mmkv.synthetic import document_prompt, random_report, random_scene, scene_prompt
 from speculative import SpeculativeConfig
-from speculative.controller import Settings
 
 PARAMS = SamplingParams(max_tokens=48)
 METHODS = ("early_exit", "draft")  # the speculative configs (plain_again: plain beside plain)
@@ -101,16 +100,12 @@ def workloads(n: int, seed: int) -> dict[str, list]:
 
 
 def fresh_engine(model: Path, prompts: list, batch: int, speculative: SpeculativeConfig | None,
-                 own: dict[int, list[int]] | None = None, settings: Settings | None = None,
-                 **options) -> Engine:
+                 own: dict[int, list[int]] | None = None, **options) -> Engine:
     """A fresh engine (so a fresh cache and controller) that serves ``batch`` sequences at a time,
     warmed up on a short request; ``options``: more of the engine's options. With ``own``
-    (``own_outputs``), its drafts are the target's own tokens; with ``settings``, its controller
-    runs on them from the start."""
+    (``own_outputs``), its drafts are the target's own tokens."""
     engine = Engine(model, kv_cache_memory="256MiB", host_kv_memory="16MiB", speculative=speculative,
                     max_num_seqs=batch, **options)
-    if settings is not None:
-        engine.speculator.controller.settings = settings
     engine.generate(prompts[:1], SamplingParams(max_tokens=4))
     if own is not None:
         engine.speculator.proposals = lambda seq, depth: own[seq.request_id][seq.num_generated + depth]

@@ -18,7 +18,7 @@ ratio between the two speculative engines, which meet the same conditions, is wh
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from mmkv.bench.spec_bench import DRAFT_MODEL, PLAIN, fresh_engine, in_turns, paired, workloads
@@ -56,13 +56,14 @@ def run(args: argparse.Namespace) -> dict:
     speculative = SpeculativeConfig(method=args.method, num_tokens=BUNDLED_SPECULATION["num_tokens"],
                                     adaptive_threshold=BUNDLED_SPECULATION["adaptive_threshold"],
                                     draft_model=args.draft if args.method == "draft_model" else None)
+    changed = replace(speculative, settings=settings)
     seconds: dict[str, list[float]] = {PLAIN: [], "old": [], "new": []}  # each counted round's run
     drafted = {"old": 0, "new": 0}
     equal = True
     for counted in [False] + [True] * args.rounds:
         engines = {PLAIN: fresh_engine(args.model, prompts, args.batch, None),
                    "old": fresh_engine(args.model, prompts, args.batch, speculative),
-                   "new": fresh_engine(args.model, prompts, args.batch, speculative, settings=settings)}
+                   "new": fresh_engine(args.model, prompts, args.batch, changed)}
         runs = in_turns(engines, prompts, args.batch)
         equal &= runs["old"][0] == runs[PLAIN][0] == runs["new"][0]
         if counted:

@@ -25,7 +25,7 @@ from mmkv.attention.metadata import CrossSequence, plan_batch, plan_cross  # noq
 from mmkv.attention.torch_backend import TorchBackend, attention, cross_attention, write_kv  # noqa: E402
 from mmkv.models import MmkvVLM, StepContext  # noqa: E402
 from speculative import SpeculativeConfig  # noqa: E402
-from tiny_models import build_model, load_hf  # noqa: E402
+from tiny_models import LEARNING, build_model, load_hf  # noqa: E402
 from tiny_vlms import IMAGE_TOKEN, build_mmkv_vlm, mmkv_vlm_logits, picture  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -159,7 +159,7 @@ def test_engine_greedy_tokens_on_flashinfer(gpu_dirs, layers, exit_layer, specul
     """A shared 200-token document (cold, then prefix hits; decode steps in cascade), unrelated
     prompts, chunked prefill; with speculation, early exit after ``exit_layer``."""
     directory = gpu_dirs[f"llama{layers}"]
-    spec = SpeculativeConfig(num_tokens=6, early_exit_layer=exit_layer) if speculate else None
+    spec = SpeculativeConfig(num_tokens=6, early_exit_layer=exit_layer, settings=LEARNING) if speculate else None
     rng = random.Random(layers)
     doc = [rng.randrange(256) for _ in range(200)]
     first = [doc + [rng.randrange(256) for _ in range(n)] for n in (5, 9)] + [[7] * 40, [3, 1]]
@@ -183,7 +183,7 @@ def test_engine_greedy_tokens_on_flashinfer(gpu_dirs, layers, exit_layer, specul
 @pytest.mark.parametrize("speculate", [False, True])
 def test_engine_cross_attention_on_flashinfer(gpu_dirs, speculate):
     """Questions about two images (text before the image in some), plus a text-only request."""
-    spec = SpeculativeConfig(num_tokens=4) if speculate else None
+    spec = SpeculativeConfig(num_tokens=4, settings=LEARNING) if speculate else None
     images = [picture(1), picture(2, size=(30, 50))]
     questions = [[IMAGE_TOKEN] + list(b"What is it?"), list(b"Hi ") + [IMAGE_TOKEN] + list(b"Colour?"),
                  [IMAGE_TOKEN] + list(b"How many are there?")]
