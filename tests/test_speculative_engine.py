@@ -146,7 +146,7 @@ def test_drafting_stops_at_a_token_that_ends_the_sequence():
 @pytest.mark.parametrize("kwargs, message", [
     ({"method": "medusa"}, "method"), ({"num_tokens": 0}, "num_tokens"),
     ({"adaptive_threshold": 1.5}, "adaptive_threshold"),
-    ({"method": "draft_model"}, "draft_model")])
+    ({"method": "draft_model"}, "draft_model"), ({"settings": {"calibrate": 0}}, "settings")])
 def test_bad_speculative_settings_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig(**kwargs)
