@@ -142,7 +142,8 @@ class Engine:
         At each batch size of ``CALIBRATION_BATCHES`` up to ``max_num_seqs`` (and as far as half the
         pool holds) the engine decodes made-up prompts of 16-512 ordinary tokens, every step's
         draft length scripted (``CALIBRATION_LENGTHS``, 0 a plain step) and every draft a fixed
-        token, so every pass runs whatever the draft would have proposed."""
+        token, so every pass runs whatever the draft would have proposed; the requests are
+        dropped once the script is done."""
         spec, rng = self.speculator, random.Random(0)
         special = self.eos_token_ids | {self.model.image_token_id}
         vocab = min(self.model.text_config.vocab_size, len(self.model.text_model.embed_tokens.weight))
@@ -155,13 +156,16 @@ class Engine:
         if longest < 16 or not batches:
             return
         spec.proposals = lambda seq, depth: ordinary[0]
-        params = SamplingParams(max_tokens=len(CALIBRATION_LENGTHS) + 1, ignore_eos=True)
+        # room for every scripted length at every step (a round's limit is the tokens left, less 1)
+        params = SamplingParams(max_tokens=tail - 1, ignore_eos=True)
         for batch in batches:
             spec.controller.script.extend(CALIBRATION_LENGTHS)
-            prompts = [[rng.choice(ordinary) for _ in range(rng.randint(16, longest))]
-                       for _ in range(batch)]
-            self.generate(prompts, params, use_tqdm=False, cache_salt=CALIBRATION_SALT)
-            spec.controller.script.clear()
+            ids = [self.add_request([rng.choice(ordinary) for _ in range(rng.randint(16, longest))],
+                                    params, cache_salt=CALIBRATION_SALT) for _ in range(batch)]
+            while spec.controller.script and self.has_unfinished():
+                self.step()
+            for request_id in ids:  # done once the script is: the rest would be the controller's
+                self.abort(request_id)
         spec.keep_costs_only()
         self.kv.tree.evict(self.kv.pool.num_evictable)
         self._start_counting()

@@ -177,7 +177,7 @@ def test_with_its_pass_costs_known_it_explores_only_where_a_sure_draft_would_pay
     does. With its pass costs timed first, as the engine calibrates (scripted lengths at batches
     1 and 32, then all but the costs forgotten), the controller decodes a fresh batch of 32
     plainly from its first step, exploring nothing and holding that decision as long as any, and
-    explores a lone sequence at once."""
+    explores a lone sequence at once, then prices its next round."""
     spec = ScriptedPair(lambda seq, pos: True, lambda rows: 0.5 * rows, lambda rows: 5.0 + 0.5 * rows)
     plain = lambda rows: 5.0 + 0.5 * rows  # noqa: E731
     for batch in (1, 32):
@@ -188,7 +188,8 @@ def test_with_its_pass_costs_known_it_explores_only_where_a_sure_draft_would_pay
     chosen = decode(spec, sequences(32), 12, plain)
     assert not any(any(g) for g in chosen) and spec.controller.acceptance.version == 0, chosen
     assert spec.controller.planned == 1  # no acceptance changes that: held for HOLD_MAX steps
-    assert decode(spec, sequences(1), 1, plain) == [[EXPLORE_LENGTH]]
+    spec.controller.settings = Settings(explore=1)  # an exploring round is not held as a priced one
+    assert decode(spec, sequences(1), 2, plain) == [[EXPLORE_LENGTH], [LIMIT]]
 
 
 def test_rounds_keep_plain_decodings_cost_current():

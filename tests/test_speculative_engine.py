@@ -352,10 +352,11 @@ def test_controlled_draft_lengths_keep_greedy_output_at_every_batch_size(damped_
     equals transformers' and plain decoding's. Batch 1 serves three requests one at a time."""
     target, draft, oracle = damped_pair
     batch_prompts = prompts(60 + batch, [4 + (7 * i) % 23 for i in range(max(batch, 3))])
+    priced = Settings(calibrate=0, explore=0)  # every choice priced from acceptance alone
     if method == "early_exit":
-        eng = spec_engine(target, k=1, gamma=6, max_num_seqs=batch)
+        eng = spec_engine(target, k=1, gamma=6, max_num_seqs=batch, settings=priced)
     else:
-        eng = draft_engine(target, draft, gamma=6, max_num_seqs=batch)
+        eng = draft_engine(target, draft, gamma=6, max_num_seqs=batch, settings=priced)
     eng.speculator.controller.costs = FrozenCosts(draft=lambda r: 0.1 + 0.01 * r,
                                                   verify=lambda r: 1 + 0.02 * r)
     outs = eng.generate(batch_prompts, GREEDY)

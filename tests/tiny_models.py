@@ -24,8 +24,9 @@ FAMILIES = {
 }
 
 # Speculation that learns its pass costs from its first rounds, which therefore run (explore)
-# whether or not a round could pay on these tiny models: tests of the rounds' exactness use it.
-# (Calibrated at start, an engine drafts nothing where a draft that is always right would not pay.)
+# whether or not a round could pay on these tiny models: tests of the rounds' exactness use it,
+# whatever the default (calibrated at start, an engine drafts nothing where a draft that is always
+# right would not pay).
 LEARNING = Settings(calibrate=0)
 
 
