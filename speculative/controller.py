@@ -86,21 +86,20 @@ Calibration. With ``calibrate`` (off by default, below) the engine times its pas
 first request (``Engine``: made-up prompts decoded at batch sizes 1, 8 and 32, every step's length
 given by ``script``) and the controller keeps those cost fits, forgetting everything else. An
 engine that knows its passes' costs explores only where a draft that is always right would pay:
-each exploring round is first priced as if every draft were proposed and accepted (``sure``),
-and where not even that round beats plain decoding by the margin the step decodes plainly, a
-priced plain decision held ``HOLD_MAX`` steps (Holding, below); a round that does explore is not
-held as a priced one. So a batch too large for rounds to pay never runs the exploring round whose
-catch-up and thin passes it would only lose to (the draft model's summaries at batches 8 and 32
-drafted 2-4 tokens a run, 24 without calibration), and a fresh engine needs no plain step before
-it prices. Paired with engines that learn their costs from their first rounds (``bench
-spec-compare``, 6 rounds, every cell): early exit's summaries at batch 8 1.05x, the draft model's
-summaries at 8 and 32 1.01-1.02x, but the draft model's scenes at batch 1 0.82x and at 32 0.95x,
-early exit's summaries at 32 and scenes at 8 0.98x, the rest within 1 %. A draft model's first
+each exploring round is first priced as if every draft were proposed and accepted (``sure``), and
+where not even that round beats plain decoding by the margin the step decodes plainly, a priced
+plain decision held ``HOLD_MAX`` steps (Holding, below); a round that does explore is not held as a
+priced one. So a batch too large for rounds to pay never runs the exploring round whose catch-up
+and thin passes it would only lose to (the draft model's summaries at batches 8 and 32 drafted 2-4
+tokens a run, 24 without calibration), and a fresh engine needs no plain step before it prices.
+Paired with engines that learn their costs from their first rounds (``bench spec-compare``, 6
+rounds, every cell): early exit's summaries at batch 8 1.05x, the draft model's summaries at 8 and
+32 1.01-1.02x, but the draft model's scenes at batch 1 0.82x and at 32 0.95x, early exit's
+summaries at 32 and scenes at 8 0.98x, the rest within 1 %. Most likely: a draft model's first
 round on a sequence must catch up its prompt, charged whole to that round (Catch-up, above): with
-the catch-up's cost known from the start no round pays for it, the sequence decodes plainly and
-its draft falls further behind, where an engine still learning its costs has an empty catch-up
-fit and goes ahead. Hence off by default until a catch-up can be paid for by the sequence's later
-rounds.
+the catch-up's cost known from the start no round pays for it, the sequence decodes plainly and its
+draft falls further behind, where an engine still learning its costs has an empty catch-up fit and
+goes ahead. Hence off by default until a catch-up can be paid for by the sequence's later rounds.
 
 The margin. A round is taken only when it promises ``ROUND_MARGIN`` times plain decoding's
 goodput: what the model leaves out (the slots a round reserves, the rates' and fits' noise)
