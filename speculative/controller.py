@@ -128,7 +128,11 @@ clipped to its limit): 1 round, then 2, up to ``ROUND_HOLD_MAX`` while pricing k
 same sequences to draft, 1 again when it chooses others (a re-check that lets a sequence whose
 drafts were rejected draft again is held for one round, not four); a round moves a sequence's rates
 by one observation against the ten or so its decayed counts weigh, and at batch 1 planning every
-round cost 7 % of the bundled model's summaries. A round is held only while the engine-wide rates
+round cost 7 % of the bundled model's summaries. A priced decision costs 0.4-0.7 ms inside the
+engine, about 5 % of a batch-1 run of the bundled pair at ``ROUND_HOLD_MAX`` 4: held up to 16 rounds
+instead (``bench spec-compare --set round_hold_max=16``, 6 rounds each, two runs over every cell)
+the draft model's batch-1 scenes ran 1.04-1.06x, early exit's batch-32 summaries 1.01-1.04x and
+no cell below 0.99x (up to 8: 0.96-1.02x; up to 64: 0.99-1.03x). A round is held only while the engine-wide rates
 rest on at least ``ROUND_HOLD_EVIDENCE`` times the observations it adds (one per drafting
 sequence); before that its outcome can move them far, and the next step is priced. (At batch 32 the
 draft model's first priced round, after an exploring round of four sequences whose drafts were all
@@ -166,7 +170,7 @@ EARLY_EXIT_EXPLORE_LENGTH = 4  # ... for early exit (the module docstring)
 FRONTIER_GROWTH = 3  # a sequence caught up drafts at most this x as deep as any round has reached
 ROUND_MARGIN = 1.1  # a round must promise this x plain decoding's goodput
 HOLD_MAX = 64  # the most steps a priced plain decision is held
-ROUND_HOLD_MAX = 4  # the most rounds a priced round's lengths are held
+ROUND_HOLD_MAX = 16  # the most rounds a priced round's lengths are held
 ROUND_HOLD_EVIDENCE = 1.0  # ... only if the rates rest on this x the observations the round adds
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
 ROUNDS_SMOOTHING = 0.1  # weight of the latest step in ``rounds_share``

@@ -303,20 +303,20 @@ def test_the_rounds_of_a_draining_batch_leave_the_full_batchs_hold_alone():
 
 def test_a_rounds_lengths_are_held_for_doubling_spans_while_the_batch_is_the_same_sequences():
     """After a priced round the same sequences draft the same lengths without planning (each
-    within its limit): 1 round, then 2, 4, 4 ...; other sequences, or a plain decision, are
-    priced at once."""
+    within its limit): 1 round, then 2, 4, 8, 16, 16 ... (``ROUND_HOLD_MAX``); other sequences,
+    or a plain decision, are priced at once."""
     controller = priced(0.00167)  # drafting pays
     h, other = controller.history, controller.new_history()
-    assert [controller.choose([h, h], [1, 1], [10, 10]) for _ in range(12)] == [[1, 1]] * 12
-    assert controller.planned == 4  # held 1, 2, 4 and 1 of 4 rounds
+    assert [controller.choose([h, h], [1, 1], [10, 10]) for _ in range(40)] == [[1, 1]] * 40
+    assert controller.planned == 6  # priced at steps 1, 3, 6, 11, 20 and 37 (held 3 of 16 since)
     assert controller.choose([h, h], [1, 0], [10, 10]) == [1, 0]  # held, within the limits
-    assert controller.planned == 4
-    assert controller.choose([h, other], [1, 1], [10, 10]) == [1, 1] and controller.planned == 5
+    assert controller.planned == 6
+    assert controller.choose([h, other], [1, 1], [10, 10]) == [1, 1] and controller.planned == 7
     for _ in range(60):  # drafting costs more: other sequences are priced at once and decode
         controller.observe_pass("draft", 1, 10, 0.00226)  # plainly, which ends the round's hold
-    assert controller.choose([h], [1], [10]) == [0] and controller.planned == 6
-    assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 6
-    assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 7
+    assert controller.choose([h], [1], [10]) == [0] and controller.planned == 8
+    assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 8
+    assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 9
 
 
 def test_a_round_that_adds_more_observations_than_the_rates_rest_on_is_priced_again():
