@@ -100,12 +100,35 @@ round on a sequence must catch up its prompt, charged whole to that round (Catch
 the catch-up's cost known from the start no round pays for it, the sequence decodes plainly and its
 draft falls further behind, where an engine still learning its costs has an empty catch-up fit and
 goes ahead. Hence off by default until a catch-up can be paid for by the sequence's later rounds.
+(Spreading each catch-up over the tokens its sequence has left where rounds pay once caught up,
+the draft model's summaries at batch 32 ran 0.91x, at 8 0.97x: their first priced rounds caught up
+every report. With ``stay_margin`` 1, below, the batch-1 scenes lose nothing: ``bench spec-compare
+--set calibrate=1 --set stay_margin=1.0``, 6 rounds, every cell, two runs: early exit's summaries
+at batch 8 1.07-1.09x and at 32 1.03-1.09x, its scenes at 32 1.04-1.06x, the draft model's
+summaries at 32 1.03-1.06x, the others within 1-2 % but the draft model's scenes at 32, 0.97x in
+both: there the first priced round, after one sequence explored with every draft accepted,
+catches up all 32 scenes to draft 6 each, most stop unsure at their first, and calibrated from
+text prompts the rounds after it are priced at about break-even and go on, where an engine still
+learning decodes plainly. Those two runs had the stay margin on ``rounds_share`` alone; with the
+size-class rule below, one run of the draft model's cells read 1.03 / 1.00 / 1.01x on the
+summaries and 0.93 / 1.04 / 0.98x on the scenes at batches 32 / 8 / 1. The scenes at 32 set
+``min_speedup`` then, so both stay off for now.)
 
 The margin. A round is taken only when it promises ``ROUND_MARGIN`` times plain decoding's
 goodput: what the model leaves out (the slots a round reserves, the rates' and fits' noise)
 costs a round a few per cent, so a round priced at break-even is a loss measured. (The engine's
 work on a round's verdicts is in the verification pass's time, as the same work is in a plain
-step's.)
+step's.) With ``stay_margin`` below ``ROUND_MARGIN`` (the same by default), rounds that run go on
+at that margin while at least ``STAYING`` of recent steps ran rounds (``rounds_share``) and the
+batch is in the size class of the last step that ran one or a smaller class. Why: a draft model
+that stops drafting falls behind, its next round must first catch up what it skipped (Catch-up,
+above), and nothing a plain step teaches moves the rates or the draft's costs, so one plain
+decision priced a hair under the margin (1.09x at the draft model's batch-1 scenes, a cost fit's
+noise) kept every later round from paying and the engine decoded plainly to the end of the run:
+123 drafts in such a run against 241 in another, the controller at 1.18x of plain decoding where
+fixed rounds ran 1.41x. A batch grown into a larger class is priced at the margin again (a batch
+of 32 after its last sequence's rounds). Alone (``--set stay_margin=1.0``, every cell) it moved no
+cell beyond 1.5 %; it is what lets calibration keep the batch-1 scenes (Calibration, above).
 
 Holding. Planning costs about 0.3 ms inside the engine (tens of small array operations, run with
 the caches full of the model's weights): a quarter of a batch-1 step of the bundled model, a sixth
@@ -140,7 +163,7 @@ accepted, gave all 32 sequences 6 drafts; every one stopped unsure at its first,
 after it cost about 10 ms more than plain steps. Paired over 8 rounds: draft model scenes at batch
 32 1.03x, early exit summaries at batch 8 1.06x over 6, the other cells tried within noise.)
 
-The constants below (``EXPLORE``, ``FRONTIER_GROWTH``, ``ROUND_MARGIN``, the holds' and
+The constants below (``EXPLORE``, ``FRONTIER_GROWTH``, the margins, the holds' and
 ``PREFILL_DRAFT_SHARE``) are the defaults of ``Settings``, which a controller may be given
 instead: ``python -m mmkv.bench spec-compare --set NAME=VALUE`` measures such a change against
 the defaults.
@@ -169,6 +192,8 @@ EXPLORE_LENGTH = 2  # the most an exploring round drafts, unless the speculator 
 EARLY_EXIT_EXPLORE_LENGTH = 4  # ... for early exit (the module docstring)
 FRONTIER_GROWTH = 3  # a sequence caught up drafts at most this x as deep as any round has reached
 ROUND_MARGIN = 1.1  # a round must promise this x plain decoding's goodput
+STAY_MARGIN = ROUND_MARGIN  # ... while at least STAYING of recent steps ran rounds (the module docstring)
+STAYING = 0.5
 HOLD_MAX = 64  # the most steps a priced plain decision is held
 ROUND_HOLD_MAX = 16  # the most rounds a priced round's lengths are held
 ROUND_HOLD_EVIDENCE = 1.0  # ... only if the rates rest on this x the observations the round adds
@@ -187,6 +212,7 @@ class Settings:
     explore: int = EXPLORE
     frontier_growth: int = FRONTIER_GROWTH
     round_margin: float = ROUND_MARGIN
+    stay_margin: float = STAY_MARGIN
     hold_max: int = HOLD_MAX
     round_hold_max: int = ROUND_HOLD_MAX
     round_hold_evidence: float = ROUND_HOLD_EVIDENCE
@@ -239,6 +265,7 @@ class DraftLengthController:
         self._hold: tuple[int, int] | None = None  # the held plain decision: batch size class, steps left
         self._plain_spans: dict[int, int] = {}  # batch size class -> its last plain hold's span
         self._unpayable = False  # the last priced step: not even a draft always right would pay
+        self._rounds_class = 0  # the batch size class of the last step that ran a round
         self._round_hold: tuple[list[DraftHistory], list[int], int, int] | None = None
         # the sequences, their lengths, rounds left, the span
 
@@ -273,6 +300,8 @@ class DraftLengthController:
         self.zero += caps.count(0)
         self.plain_steps += not any(caps)
         self.rounds_share += ROUNDS_SMOOTHING * (bool(any(caps)) - self.rounds_share)
+        if any(caps):
+            self._rounds_class = len(caps).bit_length()
         return caps
 
     def _holding(self, histories: list[DraftHistory]) -> bool:
@@ -386,7 +415,9 @@ class DraftLengthController:
             return [0] * batch  # no sequence's first draft pays at plain decoding's goodput
         debts = np.zeros(batch) if behind is None else np.asarray(behind, dtype=np.float64)
         catch_up = _variable(costs, "catch_up", debts, debts * (sizes - debts / 2), debts > 0)  # s each
-        best, caps, goal = self.settings.round_margin * plain, [0] * batch, plain
+        staying = self.rounds_share >= STAYING and batch.bit_length() <= self._rounds_class
+        margin = self.settings.stay_margin if staying else self.settings.round_margin
+        best, caps, goal = margin * plain, [0] * batch, plain
         for _ in range(2):
             horizons = (accepted >= goal * per_row[:, None]).sum(axis=1)
             if debts.any():  # drafting must also earn its whole catch-up, in this round

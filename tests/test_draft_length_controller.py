@@ -235,6 +235,22 @@ def test_a_round_must_promise_more_than_break_even():
     assert clear.choose([clear.history], [1], [10]) == [1]
 
 
+def test_a_round_near_break_even_goes_on_at_the_stay_margin_while_rounds_ran_in_its_size_class():
+    """With ``stay_margin`` 1, a round 5 % better than plain decoding is not started (the margin)
+    but goes on while most recent steps ran rounds and the last of them had a batch of this size
+    class or a larger one (a draft model that stops falls behind, and its next round must first
+    catch up); a batch that has grown into a larger class since needs the margin again."""
+    controller = priced(0.00167)  # 1.2x: rounds
+    controller.settings = Settings(stay_margin=1.0)
+    h = controller.history
+    assert [controller.choose([h], [1], [10]) for _ in range(10)] == [[1]] * 10
+    for _ in range(60):
+        controller.observe_pass("draft", 1, 10, 0.00226)  # now 1.05x
+    controller._round_hold = None
+    assert controller.choose([h], [1], [10]) == [1]
+    assert controller.choose([h, controller.new_history()], [1, 1], [10, 10]) == [0, 0]
+
+
 def test_plain_decisions_are_held_for_doubling_spans_per_batch_size_class():
     """After a priced plain decision the next steps in that batch size class (1, 2-3, 4-7, ...)
     or a larger one decode plainly without planning: 1 step, then 2, 4, 8 (so 3 of the first 8
@@ -312,8 +328,8 @@ def test_a_rounds_lengths_are_held_for_doubling_spans_while_the_batch_is_the_sam
     assert controller.choose([h, h], [1, 0], [10, 10]) == [1, 0]  # held, within the limits
     assert controller.planned == 6
     assert controller.choose([h, other], [1, 1], [10, 10]) == [1, 1] and controller.planned == 7
-    for _ in range(60):  # drafting costs more: other sequences are priced at once and decode
-        controller.observe_pass("draft", 1, 10, 0.00226)  # plainly, which ends the round's hold
+    for _ in range(60):  # drafting costs more (0.9x): other sequences are priced at once and
+        controller.observe_pass("draft", 1, 10, 0.003)  # decode plainly, which ends the round's hold
     assert controller.choose([h], [1], [10]) == [0] and controller.planned == 8
     assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 8
     assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 9
