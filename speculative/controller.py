@@ -99,20 +99,19 @@ summaries at 32 and scenes at 8 0.98x, the rest within 1 %. Most likely: a draft
 round on a sequence must catch up its prompt, charged whole to that round (Catch-up, above): with
 the catch-up's cost known from the start no round pays for it, the sequence decodes plainly and its
 draft falls further behind, where an engine still learning its costs has an empty catch-up fit and
-goes ahead. Hence off by default until a catch-up can be paid for by the sequence's later rounds.
-(Spreading each catch-up over the tokens its sequence has left where rounds pay once caught up,
-the draft model's summaries at batch 32 ran 0.91x, at 8 0.97x: their first priced rounds caught up
-every report. With ``stay_margin`` 1, below, the batch-1 scenes lose nothing: ``bench spec-compare
---set calibrate=1 --set stay_margin=1.0``, 6 rounds, every cell, two runs: early exit's summaries
-at batch 8 1.07-1.09x and at 32 1.03-1.09x, its scenes at 32 1.04-1.06x, the draft model's
-summaries at 32 1.03-1.06x, the others within 1-2 % but the draft model's scenes at 32, 0.97x in
-both: there the first priced round, after one sequence explored with every draft accepted,
-catches up all 32 scenes to draft 6 each, most stop unsure at their first, and calibrated from
-text prompts the rounds after it are priced at about break-even and go on, where an engine still
-learning decodes plainly. Those two runs had the stay margin on ``rounds_share`` alone; with the
-size-class rule below, one run of the draft model's cells read 1.03 / 1.00 / 1.01x on the
-summaries and 0.93 / 1.04 / 0.98x on the scenes at batches 32 / 8 / 1. The scenes at 32 set
-``min_speedup`` then, so both stay off for now.)
+goes ahead. Hence off by default until a catch-up can be paid for by the sequence's later rounds
+(spread over the tokens the sequence has left, the first priced rounds of the draft model's
+summaries at batch 32 caught up every report again). With ``stay_margin`` 1, below, the batch-1
+scenes lose nothing: ``bench spec-compare --set calibrate=1 --set stay_margin=1.0``, 6 rounds,
+every cell, two runs: early exit's summaries at batch 8 1.07-1.09x and at 32 1.03-1.09x, its scenes
+at 32 1.04-1.06x, the draft model's summaries at 32 1.03-1.06x, the others within 1-2 % but the
+draft model's scenes at 32, 0.97x in both: there the first priced round, after one sequence
+explored with every draft accepted, catches up all 32 scenes to draft 6 each, most stop unsure at
+their first, and calibrated from text prompts the rounds after it are priced at about break-even
+and go on, where an engine still learning decodes plainly. Those two runs had the stay margin on
+``rounds_share`` alone; with the size-class rule below, one run of the draft model's cells read
+1.03 / 1.00 / 1.01x on the summaries and 0.93 / 1.04 / 0.98x on the scenes at batches 32 / 8 / 1.
+The scenes at 32 set ``min_speedup`` then, so both stay off for now.)
 
 The margin. A round is taken only when it promises ``ROUND_MARGIN`` times plain decoding's
 goodput: what the model leaves out (the slots a round reserves, the rates' and fits' noise)
@@ -152,16 +151,17 @@ same sequences to draft, 1 again when it chooses others (a re-check that lets a 
 drafts were rejected draft again is held for one round, not four); a round moves a sequence's rates
 by one observation against the ten or so its decayed counts weigh, and at batch 1 planning every
 round cost 7 % of the bundled model's summaries. A priced decision costs 0.4-0.7 ms inside the
-engine, about 5 % of a batch-1 run of the bundled pair at ``ROUND_HOLD_MAX`` 4: held up to 16 rounds
-instead (``bench spec-compare --set round_hold_max=16``, 6 rounds each, two runs over every cell)
-the draft model's batch-1 scenes ran 1.04-1.06x, early exit's batch-32 summaries 1.01-1.04x and
-no cell below 0.99x (up to 8: 0.96-1.02x; up to 64: 0.99-1.03x). A round is held only while the engine-wide rates
-rest on at least ``ROUND_HOLD_EVIDENCE`` times the observations it adds (one per drafting
-sequence); before that its outcome can move them far, and the next step is priced. (At batch 32 the
-draft model's first priced round, after an exploring round of four sequences whose drafts were all
-accepted, gave all 32 sequences 6 drafts; every one stopped unsure at its first, and the held round
-after it cost about 10 ms more than plain steps. Paired over 8 rounds: draft model scenes at batch
-32 1.03x, early exit summaries at batch 8 1.06x over 6, the other cells tried within noise.)
+engine, about 5 % of a batch-1 run of the bundled pair at ``ROUND_HOLD_MAX`` 4: held up to 16
+rounds instead (``bench spec-compare --set round_hold_max=16``, 6 rounds each, two runs over every
+cell) the draft model's batch-1 scenes ran 1.04-1.06x, early exit's batch-32 summaries 1.01-1.04x
+and no cell below 0.99x (up to 8: 0.96-1.02x; up to 64: 0.99-1.03x). A round is held only while
+the engine-wide rates rest on at least ``ROUND_HOLD_EVIDENCE`` times the observations it adds (one
+per drafting sequence); before that its outcome can move them far, and the next step is priced.
+(At batch 32 the draft model's first priced round, after an exploring round of four sequences
+whose drafts were all accepted, gave all 32 sequences 6 drafts; every one stopped unsure at its
+first, and the held round after it cost about 10 ms more than plain steps. Paired over 8 rounds:
+draft model scenes at batch 32 1.03x, early exit summaries at batch 8 1.06x over 6, the other cells
+tried within noise.)
 
 The constants below (``EXPLORE``, ``FRONTIER_GROWTH``, the margins, the holds' and
 ``PREFILL_DRAFT_SHARE``) are the defaults of ``Settings``, which a controller may be given
@@ -192,8 +192,8 @@ EXPLORE_LENGTH = 2  # the most an exploring round drafts, unless the speculator 
 EARLY_EXIT_EXPLORE_LENGTH = 4  # ... for early exit (the module docstring)
 FRONTIER_GROWTH = 3  # a sequence caught up drafts at most this x as deep as any round has reached
 ROUND_MARGIN = 1.1  # a round must promise this x plain decoding's goodput
-STAY_MARGIN = ROUND_MARGIN  # ... while at least STAYING of recent steps ran rounds (the module docstring)
-STAYING = 0.5
+STAY_MARGIN = ROUND_MARGIN  # ... while STAYING of recent steps ran rounds (the module docstring)
+STAYING = 0.5  # the share of recent steps that ran rounds from which the stay margin applies
 HOLD_MAX = 64  # the most steps a priced plain decision is held
 ROUND_HOLD_MAX = 16  # the most rounds a priced round's lengths are held
 ROUND_HOLD_EVIDENCE = 1.0  # ... only if the rates rest on this x the observations the round adds
