@@ -298,9 +298,10 @@ class DraftLengthController:
             history.decisions += 1
         self.decisions += len(caps)
         self.zero += caps.count(0)
-        self.plain_steps += not any(caps)
-        self.rounds_share += ROUNDS_SMOOTHING * (bool(any(caps)) - self.rounds_share)
-        if any(caps):
+        drafting = any(caps)
+        self.plain_steps += not drafting
+        self.rounds_share += ROUNDS_SMOOTHING * (drafting - self.rounds_share)
+        if drafting:
             self._rounds_class = len(caps).bit_length()
         return caps
 
