@@ -14,8 +14,9 @@ T = TypeVar("T")
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """After a full garbage collection, with the collector paused, as ``timeit`` measures: a
-    collection of everything the process has built so far (about 0.2 s with transformers loaded)
-    is not charged to whichever run or step it falls in."""
+    collection of everything the process has built so far is not charged to whichever run or
+    step it falls in (``python -m mmkv.bench`` freezes what its imports built, so the collection
+    here scans only what the runs built)."""
     gc.collect()
     gc.disable()
     try:

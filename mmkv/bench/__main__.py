@@ -4,6 +4,7 @@ from its peer's (``outputs_equal`` false): a speed figure over wrong outputs mea
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 
@@ -37,4 +38,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # What the imports built (about 450,000 objects with transformers) lives as long as the
+    # process: frozen out of the collector, the full collection before every timed run
+    # (``gc_paused``) scans only what the runs build, ~0 s instead of ~0.26 s each.
+    gc.freeze()
     main()
