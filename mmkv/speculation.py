@@ -129,10 +129,9 @@ class Speculator(ABC):
         """Each sequence's draft length for the next round, at most ``limits[i]`` (the
         controller's choice; all 0: decode plainly); ``left[i]``: the tokens it may still
         generate."""
-        return self.controller.choose([self._history(s) for s in seqs], limits,
-                                      [len(s.token_ids) for s in seqs],
-                                      [(s.num_generated, n) for s, n in zip(seqs, left)],
-                                      self._behind(seqs))
+        return self.controller.decide([self._history(s) for s in seqs], limits, lambda: (
+            [len(s.token_ids) for s in seqs], [(s.num_generated, n) for s, n in zip(seqs, left)],
+            self._behind(seqs)))
 
     def finished(self, generated: int) -> None:
         """A sequence ended by itself (a stop token or string) after generating ``generated``

@@ -459,11 +459,11 @@ def test_a_draft_model_runs_only_for_the_sequences_that_draft(model_dirs, hf_ora
     eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
     turns = iter(range(1000))
 
-    def choose(histories, limits, lengths, progress, behind):  # two steps for one, two for the other
+    def decide(histories, limits, state):  # two steps for one, two for the other
         turn = next(turns) // 2 % 2
         return [min(2, limit) if i % 2 == turn else 0 for i, limit in enumerate(limits)]
 
-    monkeypatch.setattr(eng.speculator.controller, "choose", choose)
+    monkeypatch.setattr(eng.speculator.controller, "decide", decide)
     rows = []
     original = type(eng.speculator)._draft_pass
 
@@ -491,13 +491,16 @@ def test_a_draft_model_tells_the_controller_how_far_behind_each_sequence_is(mode
     controller = eng.speculator.controller
     monkeypatch.setattr(type(controller), "drafting_lately", lambda self: False)
     seen = []
-    original = type(controller).choose
+    original = type(controller).decide
 
-    def choose(self, histories, limits, lengths, progress=None, behind=None):
-        seen.append(list(zip(behind, progress)))
-        return original(self, histories, limits, lengths, progress, behind)
+    def decide(self, histories, limits, state):  # what each decision that reads the state sees
+        def seen_state():
+            lengths, progress, behind = state()
+            seen.append(list(zip(behind, progress)))
+            return lengths, progress, behind
+        return original(self, histories, limits, seen_state)
 
-    monkeypatch.setattr(type(controller), "choose", choose)
+    monkeypatch.setattr(type(controller), "decide", decide)
     passes = []
     observe = controller.observe_pass
     monkeypatch.setattr(controller, "observe_pass", lambda kind, rows, *rest: (passes.append((kind, rows)),
