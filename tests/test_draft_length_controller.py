@@ -285,6 +285,21 @@ def test_plain_decisions_are_held_for_doubling_spans_per_batch_size_class():
     assert controller.planned == 9
 
 
+def test_a_held_step_does_not_read_the_sequences_state():
+    """``decide`` reads the sequences' lengths, progress and debts (``state()``) only for a step it
+    prices or explores: a step that keeps a held plain decision or a held round plans without
+    them (at batch 32 building them was about a third of a held step's planning)."""
+    def unread():
+        raise AssertionError("a held step read the state")
+
+    for draft_seconds, caps in ((0.00226, [0, 0]), (0.00167, [1, 1])):  # held plain, held round
+        controller = priced(draft_seconds)
+        h = controller.history
+        state = lambda: ([10, 10], None, None)
+        assert controller.decide([h, h], [1, 1], state) == caps and controller.planned == 1
+        assert controller.decide([h, h], [1, 1], unread) == caps and controller.planned == 1
+
+
 def test_a_sequence_joining_the_batch_ends_a_plain_hold():
     """A plain decision made for some sequences is not held over a batch that a sequence has
     joined since (every token of the new one lies ahead): that step is priced; the next ones,
