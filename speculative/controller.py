@@ -241,8 +241,8 @@ class Settings:
 class DraftLengthController:
     """Chooses draft lengths and learns from every pass it is told about.
 
-    Guarantees: ``choose`` returns one length per sequence within its limit; with
-    ``fixed=True`` every sequence drafts its limit (the costs and rates are still learned)."""
+    Guarantees: ``choose`` (and ``decide``) returns one length per sequence within its limit;
+    with ``fixed=True`` every sequence drafts its limit (the costs and rates are still learned)."""
 
     def __init__(self, positions: int, fixed: bool = False,
                  clock: Callable[[], float] = time.perf_counter,
