@@ -51,10 +51,6 @@ class DecayedRate:
             self.trials[j] += 1.0
             self.hits[j] += hit
 
-    def rate(self, j: int, prior: float, weight: float) -> float:
-        """The rate at position ``j + 1`` shrunk toward ``prior`` with ``weight`` trials."""
-        return (self.hits[j] + weight * prior) / (self.trials[j] + weight)
-
 
 @dataclass(slots=True)
 class DraftHistory:
@@ -107,8 +103,8 @@ class AcceptanceModel:
         rates = []
         for counts in (self.proposed, self.accepted):
             chain, before = [], 1.0
-            for j in range(self.positions):
-                before = counts.rate(j, before, PRIOR)
+            for hits, trials in zip(counts.hits, counts.trials):
+                before = (hits + PRIOR * before) / (trials + PRIOR)
                 chain.append(before)
             rates.append(chain)
         return rates[0], rates[1]

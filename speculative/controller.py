@@ -490,8 +490,7 @@ def _variable(costs: PassCosts, kind: str, rows, context, sequences) -> np.ndarr
     """The part of a pass's predicted seconds that grows with its rows, sequences and context,
     over arrays."""
     _, t_rows, t_seqs, t_context, _ = costs.fit(kind).theta
-    return (t_rows * np.asarray(rows) / ROW_SCALE + t_seqs * np.asarray(sequences) / ROW_SCALE
-            + t_context * np.asarray(context) / CONTEXT_SCALE)
+    return (t_rows / ROW_SCALE) * rows + (t_seqs / ROW_SCALE) * sequences + (t_context / CONTEXT_SCALE) * context
 
 
 def _predict(costs: PassCosts, kind: str, rows: np.ndarray, context: np.ndarray, sequences) -> np.ndarray:
