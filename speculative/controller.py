@@ -82,7 +82,7 @@ four, engines taking turns over 8 rounds, the draft model ran 1.02-1.05x faster 
 decoding's cost comes from the same fit as verification's (``speculative.costs``), so the exploring
 rounds time it too and every round keeps it current.
 
-Calibration. With ``calibrate`` (off by default, below) the engine times its passes before its
+Calibration. With ``calibrate`` (on by default, below) the engine times its passes before its
 first request (``Engine``: made-up prompts decoded at batch sizes 1, 8 and 32, every step's length
 given by ``script``) and the controller keeps those cost fits, forgetting everything else. An
 engine that knows its passes' costs explores only where a draft that is always right would pay:
@@ -111,13 +111,29 @@ their first, and calibrated from text prompts the rounds after it are priced at 
 and go on, where an engine still learning decodes plainly. Those two runs had the stay margin on
 ``rounds_share`` alone; with the size-class rule below, one run of the draft model's cells read
 1.03 / 1.00 / 1.01x on the summaries and 0.93 / 1.04 / 0.98x on the scenes at batches 32 / 8 / 1.
-The scenes at 32 set ``min_speedup`` then, so both stay off for now.)
+The scenes at 32 set ``min_speedup`` then, so both stayed off.) The width rule below keeps that
+first round to a few sequences, and with it both are on by default. Measured before they were
+(``bench spec-compare --set calibrate=1 --set stay_margin=1.0 --set width_growth=3`` against an
+engine with none of the three, engines taking turns over 16 rounds): the draft model's scenes at
+batch 1 / 32 1.00x / 1.02x, its summaries at 32 1.05x, early exit's summaries at 8 1.07x;
+calibrated without the width rule, the draft model's scenes at 32 0.97x; over 6 rounds every other
+cell within 2 % (0.99-1.02x). Calibration takes about a second when the engine starts (the bundled
+pair: 1.4 s for early exit, 0.8 s for the draft model).
+
+Width. A round drafts for at most ``WIDTH_GROWTH`` times as many sequences as the engine-wide rates
+rest on (``AcceptanceModel.proposed``'s decayed count of sequence-rounds at the first position),
+those with the most net tokens (expected accepted tokens less their rows' and catch-up's cost at
+the goodput ``R``): a draft model explores with one sequence, so its first priced round after it
+drafts for 5 sequences at most and the next for about 20, each teaching the rates more than the one
+before. Depths no round has seen are no evidence (``FRONTIER_GROWTH``, above), and neither is one
+sequence's round for 32 others. A controller that is not to explore (``explore`` 0) prices from
+the prior alone and is not held to a width.
 
 The margin. A round is taken only when it promises ``ROUND_MARGIN`` times plain decoding's
 goodput: what the model leaves out (the slots a round reserves, the rates' and fits' noise)
 costs a round a few per cent, so a round priced at break-even is a loss measured. (The engine's
 work on a round's verdicts is in the verification pass's time, as the same work is in a plain
-step's.) With ``stay_margin`` below ``ROUND_MARGIN`` (the same by default), rounds that run go on
+step's.) With ``stay_margin`` below ``ROUND_MARGIN`` (1 by default), rounds that run go on
 at that margin while at least ``STAYING`` of recent steps ran rounds (``rounds_share``) and the
 batch is in the size class of the last step that ran one or a smaller class. Why: a draft model
 that stops drafting falls behind, its next round must first catch up what it skipped (Catch-up,
@@ -127,7 +143,8 @@ noise) kept every later round from paying and the engine decoded plainly to the 
 123 drafts in such a run against 241 in another, the controller at 1.18x of plain decoding where
 fixed rounds ran 1.41x. A batch grown into a larger class is priced at the margin again (a batch
 of 32 after its last sequence's rounds). Alone (``--set stay_margin=1.0``, every cell) it moved no
-cell beyond 1.5 %; it is what lets calibration keep the batch-1 scenes (Calibration, above).
+cell beyond 1.5 %; it is what lets calibration keep the batch-1 scenes (Calibration, above), and
+it is on with calibration.
 
 Holding. Planning costs about 0.3 ms inside the engine (tens of small array operations, run with
 the caches full of the model's weights): a quarter of a batch-1 step of the bundled model, a sixth
@@ -163,7 +180,7 @@ first, and the held round after it cost about 10 ms more than plain steps. Paire
 draft model scenes at batch 32 1.03x, early exit summaries at batch 8 1.06x over 6, the other cells
 tried within noise.)
 
-The constants below (``EXPLORE``, ``FRONTIER_GROWTH``, the margins, the holds' and
+The constants below (``EXPLORE``, ``FRONTIER_GROWTH``, ``WIDTH_GROWTH``, the margins, the holds' and
 ``PREFILL_DRAFT_SHARE``) are the defaults of ``Settings``, which a controller may be given
 instead: ``python -m mmkv.bench spec-compare --set NAME=VALUE`` measures such a change against
 the defaults.
@@ -191,8 +208,9 @@ EXPLORE = 2
 EXPLORE_LENGTH = 2  # the most an exploring round drafts, unless the speculator asks for more
 EARLY_EXIT_EXPLORE_LENGTH = 4  # ... for early exit (the module docstring)
 FRONTIER_GROWTH = 3  # a sequence caught up drafts at most this x as deep as any round has reached
+WIDTH_GROWTH = 3  # a round drafts for at most this x the sequence-rounds the rates rest on
 ROUND_MARGIN = 1.1  # a round must promise this x plain decoding's goodput
-STAY_MARGIN = ROUND_MARGIN  # ... while STAYING of recent steps ran rounds (the module docstring)
+STAY_MARGIN = 1.0  # ... while STAYING of recent steps ran rounds (the module docstring)
 STAYING = 0.5  # the share of recent steps that ran rounds from which the stay margin applies
 HOLD_MAX = 64  # the most steps a priced plain decision is held
 ROUND_HOLD_MAX = 16  # the most rounds a priced round's lengths are held
@@ -200,7 +218,7 @@ ROUND_HOLD_EVIDENCE = 1.0  # ... only if the rates rest on this x the observatio
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
 ROUNDS_SMOOTHING = 0.1  # weight of the latest step in ``rounds_share``
 PREFILL_DRAFT_SHARE = 0.2  # the draft model follows prompts while rounds_share is at least this
-CALIBRATE = 0  # 1: the engine times its passes when it starts (the module docstring; off for now)
+CALIBRATE = 1  # the engine times its passes when it starts (the module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +236,7 @@ class Settings:
     round_hold_evidence: float = ROUND_HOLD_EVIDENCE
     prefill_draft_share: float = PREFILL_DRAFT_SHARE
     calibrate: int = CALIBRATE
+    width_growth: int = WIDTH_GROWTH
 
     @classmethod
     def parse(cls, assignments: list[str]) -> Settings:
@@ -429,10 +448,14 @@ class DraftLengthController:
         best, caps, goal = margin * plain, [0] * batch, plain
         for _ in range(2):
             horizons = (accepted >= goal * per_row[:, None]).sum(axis=1)
+            within = np.arange(proposes.shape[1]) < horizons[:, None]
+            net = ((accepts - goal * per_row[:, None] * proposes) * within).sum(axis=1) - goal * catch_up
             if debts.any():  # drafting must also earn its whole catch-up, in this round
-                within = np.arange(proposes.shape[1]) < horizons[:, None]
-                net = ((accepts - goal * per_row[:, None] * proposes) * within).sum(axis=1)
-                horizons[net < goal * catch_up] = 0
+                horizons[net < 0] = 0
+            seen = self.acceptance.proposed.trials[0]  # the sequence-rounds the rates rest on
+            width = max(1, int(self.settings.width_growth * seen))
+            if seen and not sure and (horizons > 0).sum() > width:  # those with the most net tokens
+                horizons[np.argsort(-net, kind="stable")[width:]] = 0
             drafting = horizons > 0
             rate, length = self._best_round(proposes, accepts, horizons, sizes,
                                             float(catch_up[drafting].sum()), bool(debts[drafting].any()))

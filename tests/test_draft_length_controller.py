@@ -636,6 +636,28 @@ def test_a_sequence_to_catch_up_drafts_at_most_three_times_as_deep_as_any_round_
     assert controller.choose(histories, [24] * 4, lengths, progress, [10] * 4) == [18] * 4
 
 
+def test_a_round_drafts_for_at_most_three_times_the_sequence_rounds_its_rates_rest_on():
+    """A draft always right and passes cheap enough for rounds to pay at any width: after two
+    rounds of one sequence (a draft model explores with one) the first priced round of 16
+    sequences drafts for 5 of them (3 x the 1.98 decayed sequence-rounds seen), those with the
+    most net tokens (the most room to draft); once their rounds are seen, every sequence drafts."""
+    controller = DraftLengthController(4)
+    explorer = controller.new_history()
+    for _ in range(EXPLORE):
+        controller.observe_round(explorer, 2, 2, 2, False)
+        controller.observe_pass("draft", 1, 100, 0.0002)
+        controller.observe_pass("verify", 3, 300, 0.002, 1)
+        controller.observe_pass("plain", 1, 100, 0.0019)
+    histories = [controller.new_history() for _ in range(16)]
+    limits, lengths = [1, 2, 3, 4] * 4, [100] * 16
+    caps = controller.choose(histories, limits, lengths)
+    assert [b for b, cap in enumerate(caps) if cap] == [2, 3, 7, 11, 15]
+    for b in (2, 3, 7, 11, 15):
+        controller.observe_round(histories[b], caps[b], caps[b], caps[b], False)
+    controller._round_hold = None
+    assert all(controller.choose(histories, limits, lengths))
+
+
 def test_a_verification_is_timed_through_the_work_on_its_verdicts():
     """The caller's work on a round's verdicts (appending tokens, truncating tables, finishing
     sequences) is part of the round's cost, as the same work is of a plain step's: the
