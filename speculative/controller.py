@@ -513,7 +513,8 @@ def _variable(costs: PassCosts, kind: str, rows, context, sequences) -> np.ndarr
     """The part of a pass's predicted seconds that grows with its rows, sequences and context,
     over arrays."""
     _, t_rows, t_seqs, t_context, _ = costs.fit(kind).theta
-    return (t_rows / ROW_SCALE) * rows + (t_seqs / ROW_SCALE) * sequences + (t_context / CONTEXT_SCALE) * context
+    return ((t_rows / ROW_SCALE) * rows + (t_seqs / ROW_SCALE) * sequences
+            + (t_context / CONTEXT_SCALE) * context)
 
 
 def _predict(costs: PassCosts, kind: str, rows: np.ndarray, context: np.ndarray, sequences) -> np.ndarray:
