@@ -446,15 +446,15 @@ class DraftLengthController:
         staying = self.rounds_share >= STAYING and batch.bit_length() <= self._rounds_class
         margin = self.settings.stay_margin if staying else self.settings.round_margin
         best, caps, goal = margin * plain, [0] * batch, plain
+        seen = self.acceptance.proposed.trials[0]  # the sequence-rounds the rates rest on
+        width = max(1, int(self.settings.width_growth * seen)) if seen and not sure else batch
         for _ in range(2):
             horizons = (accepted >= goal * per_row[:, None]).sum(axis=1)
             within = np.arange(proposes.shape[1]) < horizons[:, None]
             net = ((accepts - goal * per_row[:, None] * proposes) * within).sum(axis=1) - goal * catch_up
             if debts.any():  # drafting must also earn its whole catch-up, in this round
                 horizons[net < 0] = 0
-            seen = self.acceptance.proposed.trials[0]  # the sequence-rounds the rates rest on
-            width = max(1, int(self.settings.width_growth * seen))
-            if seen and not sure and (horizons > 0).sum() > width:  # those with the most net tokens
+            if (horizons > 0).sum() > width:  # those with the most net tokens draft
                 horizons[np.argsort(-net, kind="stable")[width:]] = 0
             drafting = horizons > 0
             rate, length = self._best_round(proposes, accepts, horizons, sizes,
