@@ -190,3 +190,20 @@ def test_the_native_rotary_and_kv_write_equal_the_torch_paths(tokens, q_heads, k
            q.data_ptr(), layer.data_ptr(), slots.data_ptr(), tokens, q_heads, kv_heads, dim)
     torch.testing.assert_close(q, qk[:, :q_heads], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(layer, want, rtol=1e-6, atol=1e-6)
+
+
+
+def test_a_bfloat16_layer_is_packed_on_every_processor():
+    """oneDNN reorders a bfloat16 weight only where the processor has its bfloat16 path (AVX-512
+    BW/VL/DQ or AVX-NE-CONVERT) and raises on AVX2 alone, where ``F.linear`` in bfloat16 runs
+    several times slower than float32: there the layer packs the weight's float32 upcast and
+    rounds its outputs back, giving the bfloat16 layer's outputs either way."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    layer = packed_linear.make_linear(weight, bias, pack=True)
+    assert isinstance(layer, PackedLinear) and layer.upcast != packed_linear.bfloat16_packs()
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        out = layer(x)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-2, atol=1e-2)

@@ -8,6 +8,15 @@ once into its blocked layout avoids both: on this project's 2-core AMD EPYC mach
 benchmark model's layers 2.3-2.6x faster in float32 (decode and prefill shapes) and 1.1-1.4x in
 bfloat16 (``python -m mmkv.bench prefix`` gives the end-to-end figures).
 
+oneDNN's bfloat16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT. On a processor with AVX2
+alone it refuses to reorder a bfloat16 weight, and ``F.linear`` in bfloat16 there runs 3-8x
+slower than in float32 from 8 rows up (a 2048 x 512 weight on 64 rows: 7.3 ms against 1.0 ms on
+a 2-core AMD EPYC with AVX2). So there a bfloat16 weight is packed *upcast*: its values, exact in
+float32, are packed as a float32 weight, each call's rows are upcast and its outputs rounded back
+to bfloat16. The products of bfloat16 values are exact in float32 and the sums run in float32 as
+in the bfloat16 path, so the outputs are the bfloat16 layer's up to the order of the sums; the
+weight takes float32's memory (the KV cache stays bfloat16).
+
 Which is faster for a few rows depends on the machine. On a 2-core Intel Xeon a oneDNN call costs
 40-50 us whatever its size, against 10-30 us for ``F.linear``, and MKL spreading a few rows over
 both cores costs more than it saves: a 682 x 128 weight on 9 rows takes 79 us on 2 threads and
@@ -22,7 +31,7 @@ share one calibration per process. Larger row counts and larger weights run pack
 Guarantees: ``PackedLinear(w, b)(x)`` equals ``F.linear(x, w, b)`` up to float rounding (the sums
 run in another order: about 1e-6 relative in float32) whichever way a row count runs; it holds the
 packed copy only (but for small float32 weights), so a model whose weights are packed takes no
-more memory than before.
+more memory than before (but bfloat16 weights packed upcast, which take float32's).
 """
 
 from __future__ import annotations
@@ -44,6 +53,11 @@ def packing_available(weight: torch.Tensor) -> bool:
     """Whether oneDNN can run this weight's layer: a CPU tensor in float32 or bfloat16."""
     return (weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES
             and torch.backends.mkldnn.is_available())
+
+
+def bfloat16_packs() -> bool:
+    """Whether oneDNN packs bfloat16 weights as they are on this processor (else upcast)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 PLAIN_COPY_ELEMENTS = 400_000  # a float32 weight this small keeps its plain copy (1.6 MB)
@@ -118,10 +132,15 @@ _CALIBRATED: dict[tuple, tuple[str, ...]] = {}  # (shape, dtype, bias, threads) 
 class PackedLinear:
     """``y = x @ weight.T + bias`` with the weight in oneDNN's layout. A float32 weight small
     enough for ``F.linear`` to win on few rows keeps its plain copy too (at most 1.6 MB), and each
-    row class runs the way calibration measured fastest (the module docstring)."""
+    row class runs the way calibration measured fastest (the module docstring). A bfloat16 weight
+    on a processor without oneDNN's bfloat16 path runs as its float32 upcast (``upcast``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         weight = weight.detach().contiguous()
+        self.upcast = weight.dtype == torch.bfloat16 and not bfloat16_packs()
+        if self.upcast:
+            weight = weight.float()
+            bias = None if bias is None else bias.float()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = None if bias is None else bias.detach()
         self.elements = weight.numel()
@@ -159,6 +178,8 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         c = row_class(x.shape[0])
+        if self.upcast:
+            return self.run(x.float(), self.ways[c] if c < len(self.ways) else PACKED).to(x.dtype)
         return self.run(x, self.ways[c] if c < len(self.ways) else PACKED)
 
     def run(self, x: torch.Tensor, way: str) -> torch.Tensor:
