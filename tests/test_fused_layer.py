@@ -192,7 +192,6 @@ def test_the_native_rotary_and_kv_write_equal_the_torch_paths(tokens, q_heads, k
     torch.testing.assert_close(layer, want, rtol=1e-6, atol=1e-6)
 
 
-
 def test_a_bfloat16_layer_is_packed_on_every_processor():
     """oneDNN reorders a bfloat16 weight only where the processor has its bfloat16 path (AVX-512
     BW/VL/DQ or AVX-NE-CONVERT) and raises on AVX2 alone, where ``F.linear`` in bfloat16 runs
