@@ -1,5 +1,7 @@
 """The decoding steps' thread count on the CPU: chosen from measured step times, exact output."""
 
+import math
+
 import pytest
 import torch
 
@@ -20,10 +22,10 @@ def drive(chooser: DecodeThreads, seconds_on: dict[int, float], steps: int, batc
 
 def test_switches_to_fewer_threads_when_they_measure_faster():
     chooser = DecodeThreads(4, explore_every=4, settle_every=16)
-    used = drive(chooser, {4: 0.020, 3: 0.012}, 12)
-    assert used[:4] == [4, 4, 4, 3]  # the 4th decoding step explores; it was faster
-    assert chooser.chosen == 3 and chooser.switches == 1
-    assert used[4:8] == [3, 3, 3, 4] and chooser.chosen == 3  # exploring back: 4 is still slower
+    used = drive(chooser, {4: 0.020, 3: 0.012}, 24)
+    assert used[:8] == [4, 4, 4, 3, 4, 4, 4, 3]  # the 4th and 8th decoding steps explore
+    assert chooser.chosen == 3 and chooser.switches == 1  # two samples, both faster: it switched
+    assert used[8:] == [3] * 15 + [4] and chooser.chosen == 3  # settled; exploring back: 4 is slower
     assert chooser.summary()["decode_threads"] == 3
 
 
@@ -47,12 +49,18 @@ def test_prompt_steps_use_every_core_and_break_the_comparison():
     assert chooser._pick(True, 9) == 1
 
 
-def test_one_noisy_sample_is_smoothed_not_followed_for_ever():
-    chooser = DecodeThreads(2, explore_every=1, settle_every=1, smoothing=0.5)
+def test_a_switch_rests_on_more_than_one_sample():
+    """One step that happened to run faster on fewer threads switches nothing; the estimate is
+    the samples' mean until smoothing takes over, so a next sample that says otherwise keeps
+    every core, and samples that agree switch."""
+    chooser = DecodeThreads(2, explore_every=1, settle_every=1)  # smoothing 0.3
     drive(chooser, {2: 0.010, 1: 0.008}, 2)  # one sample says 1 thread is faster
-    assert chooser.chosen == 1
-    drive(chooser, {2: 0.010, 1: 0.015}, 8)
-    assert chooser.chosen == 2 and chooser.switches == 2
+    assert chooser.chosen == 2 and chooser.samples == 1
+    drive(chooser, {2: 0.010, 1: 0.015}, 2)  # the next says it is slower: the mean is above 0
+    assert chooser.chosen == 2 and chooser.switches == 0
+    assert chooser.log_ratio == pytest.approx((math.log(0.8) + math.log(1.5)) / 2)
+    drive(chooser, {2: 0.010, 1: 0.005}, 6)  # a sample far faster moves the estimate below 0
+    assert chooser.chosen == 1 and chooser.switches == 1
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one core: nothing to choose")
