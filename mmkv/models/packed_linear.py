@@ -178,9 +178,10 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         c = row_class(x.shape[0])
+        way = self.ways[c] if c < len(self.ways) else PACKED
         if self.upcast:
-            return self.run(x.float(), self.ways[c] if c < len(self.ways) else PACKED).to(x.dtype)
-        return self.run(x, self.ways[c] if c < len(self.ways) else PACKED)
+            return self.run(x.float(), way).to(x.dtype)
+        return self.run(x, way)
 
     def run(self, x: torch.Tensor, way: str) -> torch.Tensor:
         """The rows ``x`` through the layer the given way."""
