@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import numpy as np
+import xxhash
 
 from cache import BlockTable, KVCache, OutOfBlocksError
 from mmkv.sequence import Sequence, Status
@@ -74,6 +75,45 @@ class PreemptionStats:
     recompute: int = 0
     swap: int = 0
     swapped_bytes: int = 0
+
+
+class PrefillingBlocks:
+    """The next full block each sequence still prefilling computes, found by the digest of the
+    keys up to and including it: a waiting sequence whose prompt starts with such a prefix waits
+    a step and then reads that block from the cache (rule 3 of the module docstring).
+
+    A sequence that has computed ``c`` tokens of keys ``k`` computes block ``c // block_size``
+    next; it is indexed under ``n = (c // block_size + 1) * block_size`` and the digest of
+    ``k[:n]`` when ``n`` is below ``len(k)`` (a sequence's last token is never read from the
+    cache). Another sequence of keys ``m`` in the same namespace waits exactly when, for one such
+    entry, ``n < len(m)`` and ``m[:n] == k[:n]``: its prompt holds that block and its cache lookup
+    could reuse it. Digests only find candidates; a candidate is confirmed by comparing keys.
+    A waiting sequence costs one digest per distinct ``n`` indexed (mostly one or two), not a
+    comparison with every sequence prefilling."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.by_length: dict[int, dict[tuple[str | None, int], list[np.ndarray]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.by_length)
+
+    def add(self, keys: np.ndarray, namespace: str | None, num_computed: int) -> None:
+        n = (num_computed // self.block_size + 1) * self.block_size
+        if n < len(keys):
+            self.by_length.setdefault(n, {}).setdefault((namespace, _digest(keys[:n])), []).append(keys)
+
+    def computes_more_of(self, keys: np.ndarray, namespace: str | None) -> bool:
+        for n, entries in self.by_length.items():
+            if n < len(keys):
+                for theirs in entries.get((namespace, _digest(keys[:n])), ()):
+                    if np.array_equal(theirs[:n], keys[:n]):
+                        return True
+        return False
+
+
+def _digest(keys: np.ndarray) -> int:
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(keys))
 
 
 class Scheduler:
@@ -166,11 +206,15 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        prefilling = [s for s in self.running if s.num_pending > 1]
+        prefilling = PrefillingBlocks(self.kv.block_size)
+        if self.config.enable_prefix_caching:
+            for seq in self.running:
+                if seq.num_pending > 1:
+                    prefilling.add(seq.keys(), seq.namespace, seq.num_computed)
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if self._should_wait_for(seq, prefilling):
+            if prefilling and prefilling.computes_more_of(seq.keys(), seq.namespace):
                 continue
             acquired = self._acquire_images(seq)
             if acquired is None:
@@ -196,7 +240,8 @@ class Scheduler:
             seq.num_cached_blocks = cached // self.kv.block_size
             seq.draft_valid = None  # a new table: a draft model reads what its blocks hold
             self._run(seq, batch, n)
-            prefilling.append(seq)
+            if self.config.enable_prefix_caching:
+                prefilling.add(seq.keys(), seq.namespace, cached)
             budget -= n
 
     def _acquire(self, seq: Sequence) -> BlockTable:
@@ -204,24 +249,6 @@ class Scheduler:
             return BlockTable()
         # The last token is always computed: its logits choose the next token.
         return self.kv.acquire_prefix(seq.keys(len(seq.token_ids) - 1), seq.namespace)
-
-    def _should_wait_for(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
-        """Whether a sequence still prefilling is computing at least one more full block of
-        ``seq``'s prompt than the cache holds yet (then ``seq`` waits and reuses it next step)."""
-        if not self.config.enable_prefix_caching:
-            return False
-        bs = self.kv.block_size
-        mine = seq.keys()
-        for other in prefilling:
-            if other.namespace != seq.namespace:
-                continue
-            theirs = other.keys()
-            m = min(len(mine), len(theirs)) - 1
-            diff = np.flatnonzero((mine[:m] != theirs[:m]).any(axis=1))
-            common = int(diff[0]) if diff.size else m
-            if common >= (other.num_computed // bs + 1) * bs:
-                return True
-        return False
 
     def _run(self, seq: Sequence, batch: ScheduledBatch, n: int) -> None:
         seq.status = Status.RUNNING
