@@ -1,12 +1,12 @@
 """The committed model answers held-out questions; the training script runs end to end."""
 
 import json
-import os
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmkv import Engine, SamplingParams
 from mmkv.engine import BUNDLED_MODEL
@@ -14,6 +14,22 @@ from mmkv.eval import evaluate
 from mmkv.models.base import read_config_json
 
 ROOT = Path(__file__).parent.parent
+
+
+@pytest.fixture
+def example(monkeypatch, capsys):
+    """Runs ``python examples/<name> <args>`` in this process, as ``__main__``, and returns what it
+    printed (a process of its own would first spend ~13 s importing torch and transformers).
+    torch's thread count, which a script may set, is put back after."""
+    def run(name: str, *args: str) -> str:
+        monkeypatch.setattr(sys, "argv", [name, *args])
+        threads = torch.get_num_threads()
+        try:
+            runpy.run_path(str(ROOT / "examples" / name), run_name="__main__")
+        finally:
+            torch.set_num_threads(threads)
+        return capsys.readouterr().out
+    return run
 
 
 def test_bundled_model_is_small_and_loads_by_default():
@@ -41,10 +57,8 @@ def test_bundled_model_answers_the_same_in_bfloat16():
         assert result[f"{task}_accuracy"] >= result[f"float32_{task}_accuracy"] - 1 / 30, result
 
 
-def test_training_script_smoke(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "examples" / "train_tiny.py"), "--out",
-                    str(tmp_path), "--smoke"], check=True, capture_output=True, timeout=300,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's mmkv
+def test_training_script_smoke(tmp_path, example):
+    example("train_tiny.py", "--out", str(tmp_path), "--smoke")
     assert (tmp_path / "loss.png").stat().st_size > 0
     engine = Engine(tmp_path / "tiny-vlm", kv_cache_memory="32MiB", host_kv_memory="4MiB")
     out = engine.ask(tmp_path / "loss.png", ["what is it?"],
@@ -53,9 +67,7 @@ def test_training_script_smoke(tmp_path):
     draft = Engine(tmp_path / "tiny-draft", kv_cache_memory="32MiB", host_kv_memory="4MiB")
     assert len(draft.generate("hello", SamplingParams(max_tokens=2))[0].token_ids) >= 1
     vlm_weights = (tmp_path / "tiny-vlm" / "model.safetensors").read_bytes()
-    subprocess.run([sys.executable, str(ROOT / "examples" / "train_tiny.py"), "--out",
-                    str(tmp_path), "--smoke", "--draft-only", "--draft-steps", "3"], check=True,
-                   capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    example("train_tiny.py", "--out", str(tmp_path), "--smoke", "--draft-only", "--draft-steps", "3")
     assert (tmp_path / "tiny-vlm" / "model.safetensors").read_bytes() == vlm_weights  # untouched
     assert json.loads((tmp_path / "training.json").read_text())["draft"]["retrained_alone"]
     assert (tmp_path / "draft_loss.png").stat().st_size > 0
@@ -63,10 +75,8 @@ def test_training_script_smoke(tmp_path):
     assert len(draft.generate("hello", SamplingParams(max_tokens=2))[0].token_ids) >= 1
 
 
-def test_cross_attention_inspector_runs_on_the_bundled_model():
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "inspect_cross_attention.py"),
-                          "--cells", "top left,centre"], check=True, capture_output=True, text=True,
-                         timeout=300).stdout
+def test_cross_attention_inspector_runs_on_the_bundled_model(example):
+    out = example("inspect_cross_attention.py", "--cells", "top left,centre")
     rows = [line for line in out.splitlines() if line.strip().startswith("layer ")]
     heads = read_config_json(BUNDLED_MODEL)["text_config"]["num_attention_heads"]
     assert len(rows) == 2 * heads  # two questions
@@ -100,12 +110,10 @@ def test_bundled_chat_template_renders_the_training_prompts():
         engine.render_chat([{"role": "tool", "content": "x"}])
 
 
-def test_demo_counts_only_the_batched_call(tmp_path):
+def test_demo_counts_only_the_batched_call(tmp_path, example):
     """`make demo`'s script: its counts are those of the batched call (the untimed warm-up left
     out): one encoder pass per image with sharing, one per question without."""
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "image_qa.py"), "--repeats", "1",
-                          "--out", str(tmp_path / "qa.png")], check=True, capture_output=True,
-                         text=True, timeout=300).stdout
+    out = example("image_qa.py", "--repeats", "1", "--out", str(tmp_path / "qa.png"))
     assert "encoder calls: 6 for 6 images and 48 questions (without sharing: 48)" in out, out
     assert "cross-attention K/V blocks computed: 6 (without sharing: 48)" in out, out
     right = int(out.split("/48 answers exactly right")[0].split()[-1])
