@@ -60,6 +60,7 @@ class DraftHistory:
     accepted: DecayedRate
     decisions: int = 0  # steps the controller chose a draft length for it
     drafted: int = 0  # draft tokens proposed over those steps
+    shrunk: tuple | None = None  # (version, proposed, accepted): its rates at that model version
 
 
 @dataclass(slots=True)
@@ -112,15 +113,23 @@ class AcceptanceModel:
     def rates(self, histories: list[DraftHistory], limit: int) -> tuple[np.ndarray, np.ndarray]:
         """The sequences' ``proposed`` and ``accepted`` rates at positions ``1..limit`` as rows
         of two ``[len(histories), limit]`` arrays, each shrunk toward the engine-wide rate
-        (``engine_rates()``; a sequence with no round of its own has the engine's). One pass
-        over all sequences: computed per sequence and position, re-deriving a batch's rates
-        after every round was three quarters of a batch-32 plan."""
-        if self._engine is None or self._engine[0] != self.version:
-            self._engine = (self.version, *(np.asarray(r) for r in self.engine_rates()))
-        out = []
-        for which, everyone in ((0, self._engine[1]), (1, self._engine[2])):
-            counts = [(h.proposed, h.accepted)[which] for h in histories]
-            hits = np.array([c.hits[:limit] for c in counts], dtype=np.float64).reshape(-1, limit)
-            trials = np.array([c.trials[:limit] for c in counts], dtype=np.float64).reshape(-1, limit)
-            out.append((hits + SHRINK * everyone[:limit]) / (trials + SHRINK))
-        return out[0], out[1]
+        (``engine_rates()``; a sequence with no round of its own has the engine's). Those not
+        derived at this ``version`` are derived in one pass over them and kept with their
+        history: no rate moves between two observations, so steps priced while the batch
+        decodes plainly read them all from there (deriving a batch of 32 took half of such a
+        step's planning; per sequence and position, after every round, three quarters)."""
+        version = self.version
+        stale = [h for h in histories if h.shrunk is None or h.shrunk[0] != version]
+        if stale:
+            if self._engine is None or self._engine[0] != version:
+                self._engine = (version, *(np.asarray(r) for r in self.engine_rates()))
+            derived = []
+            for which, everyone in ((0, self._engine[1]), (1, self._engine[2])):
+                counts = [(h.proposed, h.accepted)[which] for h in stale]
+                hits = np.array([c.hits for c in counts], dtype=np.float64)
+                trials = np.array([c.trials for c in counts], dtype=np.float64)
+                derived.append((hits + SHRINK * everyone) / (trials + SHRINK))
+            for h, proposed, accepted in zip(stale, *derived):
+                h.shrunk = (version, proposed, accepted)
+        return (np.array([h.shrunk[1] for h in histories]).reshape(len(histories), -1)[:, :limit],
+                np.array([h.shrunk[2] for h in histories]).reshape(len(histories), -1)[:, :limit])

@@ -4,8 +4,10 @@ expected to go as the deepest position reached, not to be proposed and accepted 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from speculative.acceptance import AcceptanceModel
+from speculative.acceptance import SHRINK, AcceptanceModel
 
 
 def test_an_untried_model_expects_every_draft_proposed_and_accepted():
@@ -29,3 +31,31 @@ def test_positions_no_round_reached_go_as_the_deepest_one_reached():
     mine, _ = model.rates([history, model.new_history()], 8)
     assert mine[0, 7] == pytest.approx(proposed[1])  # a sequence's untried position: the engine's
     assert list(mine[1]) == pytest.approx(proposed)  # a sequence with no round: the engine's rates
+
+
+def naive_rates(model: AcceptanceModel, history, limit: int) -> tuple[list[float], list[float]]:
+    """One sequence's rates derived from its counts alone, position by position."""
+    engine = model.engine_rates()
+    return tuple([(c.hits[j] + SHRINK * everyone[j]) / (c.trials[j] + SHRINK) for j in range(limit)]
+                 for c, everyone in ((history.proposed, engine[0]), (history.accepted, engine[1])))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(0, 4), st.booleans(),
+                          st.lists(st.integers(0, 3), min_size=1, max_size=6), st.integers(1, 5)),
+                min_size=1, max_size=25))
+def test_rates_kept_between_observations_are_the_rates_derived_afresh(events):
+    """Each event: sequence ``who`` runs a round (allowed ``chosen`` drafts, proposing and
+    accepting some, 0 allowed: no observation), then a batch of sequences (repeats allowed) asks
+    for its rates up to ``limit``. Kept or derived again, every row is what the sequence's counts
+    and the engine's give, position by position."""
+    model = AcceptanceModel(5)
+    histories = [model.new_history() for _ in range(4)]
+    for who, chosen, proposed, stopped, batch, limit in events:
+        proposed = min(proposed, chosen)
+        accepted = proposed if who % 2 else max(0, proposed - 1)
+        model.observe(histories[who], chosen, proposed, accepted, stopped and proposed < chosen)
+        rows = model.rates([histories[b] for b in batch], limit)
+        for r, b in enumerate(batch):
+            want = naive_rates(model, histories[b], limit)
+            assert list(rows[0][r]) == pytest.approx(want[0]) and list(rows[1][r]) == pytest.approx(want[1])
