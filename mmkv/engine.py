@@ -449,19 +449,17 @@ class Engine:
         that many more slots reserved (pairs ``(seq, gamma)``, gamma 0 included: it joins the
         verification pass); the rest run a plain step (pairs ``(seq, q_len)``), and so does
         everyone when the controller chose 0 for all."""
-        plain, candidates, limits, left = [], [], [], []
+        if self.speculator is None:
+            return list(zip(seqs, q_lens)), []
+        plain, candidates = [], []
         for seq, q in zip(seqs, q_lens):
-            if (self.speculator is not None and q == 1 and seq.num_pending == 1 and seq.params.n == 1
-                    and seq.params.logprobs is None):
+            if q == 1 and seq.num_pending == 1 and seq.params.n == 1 and seq.params.logprobs is None:
                 candidates.append(seq)
-                left.append(min(seq.params.max_tokens - seq.num_generated,
-                                self.max_model_len - len(seq.token_ids)))
-                limits.append(max(0, min(self.speculator.config.num_tokens, left[-1] - 1)))
             else:
                 plain.append((seq, q))
         if not candidates:
             return plain, []
-        gammas = self.speculator.plan(candidates, limits, left)
+        gammas = self.speculator.plan(candidates, self.max_model_len)
         if not any(gammas):
             return plain + [(seq, 1) for seq in candidates], []
         spec = []

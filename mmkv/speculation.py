@@ -42,6 +42,7 @@ Two drafts:
 
 from __future__ import annotations
 
+import functools
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -125,13 +126,22 @@ class Speculator(ABC):
                        lens: list[int]) -> torch.Tensor:
         """The target's logits at the ``gamma + 1`` positions of every sequence, packed."""
 
-    def plan(self, seqs: list[Sequence], limits: list[int], left: list[int]) -> list[int]:
-        """Each sequence's draft length for the next round, at most ``limits[i]`` (the
-        controller's choice; all 0: decode plainly); ``left[i]``: the tokens it may still
-        generate."""
-        return self.controller.decide([self._history(s) for s in seqs], limits, lambda: (
-            [len(s.token_ids) for s in seqs], [(s.num_generated, n) for s, n in zip(seqs, left)],
-            self._behind(seqs)))
+    def plan(self, seqs: list[Sequence], max_model_len: int) -> list[int]:
+        """Each sequence's draft length for the next round (the controller's choice; all 0:
+        decode plainly), at most ``num_tokens`` and one less than the tokens it may still
+        generate (its ``max_tokens``, and ``max_model_len`` positions in all). What it may still
+        generate is read only for a step that does not keep a held plain decision (at batch 32
+        reading it was three fifths of such a step's planning: 32 us against 13 us)."""
+        @functools.cache
+        def left() -> list[int]:
+            return [min(s.params.max_tokens - s.num_generated, max_model_len - len(s.token_ids))
+                    for s in seqs]
+
+        return self.controller.decide(
+            [self._history(s) for s in seqs],
+            lambda: [max(0, min(self.config.num_tokens, n - 1)) for n in left()],
+            lambda: ([len(s.token_ids) for s in seqs],
+                     [(s.num_generated, n) for s, n in zip(seqs, left())], self._behind(seqs)))
 
     def finished(self, generated: int) -> None:
         """A sequence ended by itself (a stop token or string) after generating ``generated``

@@ -151,8 +151,16 @@ the caches full of the model's weights): a quarter of a batch-1 step of the bund
 of a batch-8 one. So a priced decision to decode plainly is kept without planning for the next
 steps while the batch stays in its size class (1, 2-3, 4-7, 8-15, ...) or a larger one (a round
 pays less the more rows verification carries). Each class keeps its own span: 1 step after its
-first plain decision, doubling with every one that follows up to ``HOLD_MAX`` (``HOLD_MAX`` at once
-when not even a draft that is always right would pay: no acceptance can change that); a priced
+first plain decision, doubling with every one that follows up to ``HOLD_MAX``; ``HOLD_MAX`` at once
+when not even a draft that is always right would pay (no acceptance can change that), or when
+the best it priced promised less than ``1 - HOLD_GAP`` of the margin (a round, or where none
+was priced, the best first draft's tokens per second of its rows, over plain decoding's
+goodput): while the step decodes plainly no rate moves, so only its costs drifting by more than
+that could turn it, and the draft model's scenes at batch 32 priced 0.85, 0.76, 0.72, 0.68, 0.65,
+0.61x in one run, every step of it further away (its sequences' ends nearer). Held so, 2-3
+priced steps a run there instead of 8-9, about 0.7 ms each inside the engine; ``bench
+spec-compare --set hold_gap=1.0`` (no such hold) against it, 8 rounds: the draft model's scenes
+at batches 32 and 8 0.995x and 0.987x, the other cells tried within 1 %. A priced
 round in a class starts that class's span again at 1 (rounds pay there now, so a return to plain
 decoding is checked soon), and leaves the other classes' alone (the rounds a batch's last few
 sequences run as it drains do not cost the next full batch its long hold). A batch in a smaller
@@ -213,6 +221,7 @@ ROUND_MARGIN = 1.1  # a round must promise this x plain decoding's goodput
 STAY_MARGIN = 1.0  # ... while STAYING of recent steps ran rounds (the module docstring)
 STAYING = 0.5  # the share of recent steps that ran rounds from which the stay margin applies
 HOLD_MAX = 64  # the most steps a priced plain decision is held
+HOLD_GAP = 0.2  # ... at once, if the best it priced fell short of the margin by more than this share
 ROUND_HOLD_MAX = 16  # the most rounds a priced round's lengths are held
 ROUND_HOLD_EVIDENCE = 1.0  # ... only if the rates rest on this x the observations the round adds
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
@@ -232,6 +241,7 @@ class Settings:
     round_margin: float = ROUND_MARGIN
     stay_margin: float = STAY_MARGIN
     hold_max: int = HOLD_MAX
+    hold_gap: float = HOLD_GAP
     round_hold_max: int = ROUND_HOLD_MAX
     round_hold_evidence: float = ROUND_HOLD_EVIDENCE
     prefill_draft_share: float = PREFILL_DRAFT_SHARE
@@ -283,7 +293,7 @@ class DraftLengthController:
         self.script: deque[int] = deque()  # lengths the next steps draft, chosen by none (calibration)
         self._hold: tuple[int, int] | None = None  # the held plain decision: batch size class, steps left
         self._plain_spans: dict[int, int] = {}  # batch size class -> its last plain hold's span
-        self._unpayable = False  # the last priced step: not even a draft always right would pay
+        self._far = False  # the last priced plain decision was far from paying (Holding)
         self._rounds_class = 0  # the batch size class of the last step that ran a round
         self._round_hold: tuple[list[DraftHistory], list[int], int, int] | None = None
         # the sequences, their lengths, rounds left, the span
@@ -300,26 +310,28 @@ class DraftLengthController:
         ``progress``: for each, the tokens it has generated and the most it may still generate
         (where it is expected to end comes from ``lengths``, what recent outputs ran to);
         ``behind``: for each, the positions a draft model must fill in before it can draft."""
-        return self.decide(histories, limits, lambda: (lengths, progress, behind))
+        return self.decide(histories, lambda: limits, lambda: (lengths, progress, behind))
 
-    def decide(self, histories: list[DraftHistory], limits: list[int],
+    def decide(self, histories: list[DraftHistory], limits: Callable[[], list[int]],
                state: Callable[[], tuple[list[int], list[tuple[int, int]] | None, list[int] | None]]
                ) -> list[int]:
-        """``choose`` with its ``lengths``, ``progress`` and ``behind`` from ``state()``, called
-        only for a step that is priced or explores (a step that keeps a held decision needs
-        neither: at batch 32 building them took about a third of a held step's planning)."""
+        """``choose`` with its ``limits`` from ``limits()``, called for every step but one that
+        keeps a held plain decision, and its ``lengths``, ``progress`` and ``behind`` from
+        ``state()``, called only for a step that is priced or explores (a step that keeps a held
+        decision needs neither: at batch 32 building them took about a third of a held step's
+        planning)."""
         if self.script:
             length = self.script.popleft()
-            caps = [min(length, limit) for limit in limits]
+            caps = [min(length, limit) for limit in limits()]
         elif self.fixed:
-            caps = list(limits)
+            caps = list(limits())
         elif self._holding(histories):
-            caps = [0] * len(limits)
+            caps = [0] * len(histories)
         elif (held := self._held_round(histories, limits)) is not None:
             caps = held
         else:
-            planned, self._unpayable = self.planned, False
-            caps = self._caps(histories, limits, *state())
+            planned, self._far = self.planned, False
+            caps = self._caps(histories, limits(), *state())
             self._hold_after(caps, histories, priced=self.planned > planned)
         for history, cap in zip(histories, caps):
             history.decisions += 1
@@ -341,14 +353,15 @@ class DraftLengthController:
         self._hold = (hold[0], hold[1] - 1)
         return True
 
-    def _held_round(self, histories: list[DraftHistory], limits: list[int]) -> list[int] | None:
-        """The held round's lengths within ``limits`` if this step holds it (and counts it off)."""
+    def _held_round(self, histories: list[DraftHistory],
+                    limits: Callable[[], list[int]]) -> list[int] | None:
+        """The held round's lengths within ``limits()`` if this step holds it (and counts it off)."""
         hold = self._round_hold
         if (hold is None or hold[2] == 0 or len(hold[0]) != len(histories)
                 or any(a is not b for a, b in zip(hold[0], histories))):
             return None
         self._round_hold = (hold[0], hold[1], hold[2] - 1, hold[3])
-        return [min(cap, limit) for cap, limit in zip(hold[1], limits)]
+        return [min(cap, limit) for cap, limit in zip(hold[1], limits())]
 
     def _hold_after(self, caps: list[int], histories: list[DraftHistory], priced: bool) -> None:
         """Start a hold after a priced decision, twice as long as the last one of its kind (a
@@ -367,7 +380,7 @@ class DraftLengthController:
             self._hold, self._round_hold = None, (list(histories), caps, held, span)
             self._plain_spans.pop(size_class, None)
         else:
-            span = (self.settings.hold_max if self._unpayable
+            span = (self.settings.hold_max if self._far
                     else min(self.settings.hold_max, 2 * self._plain_spans.get(size_class, 0)) or 1)
             self._plain_spans[size_class] = span
             self._hold, self._round_hold = (size_class, span), None
@@ -408,7 +421,7 @@ class DraftLengthController:
             if (self.costs.count("plain") and self.costs.count("verify")
                     and not any(self._priced(histories, limits, lengths, progress, behind, sure=True))):
                 self.planned += 1  # a priced plain decision, held as one (an exploring round is not)
-                self._unpayable = True  # not even a draft that is always right would pay
+                self._far = True  # not even a draft that is always right would pay
                 return [0] * len(limits)
             caps, room = [], self.explore_sequences or len(limits)
             for limit in limits:
@@ -439,12 +452,14 @@ class DraftLengthController:
         sizes = np.asarray(lengths, dtype=np.float64)
         # a j-th draft: one more sequence in draft pass j, one more row of a verified sequence
         per_row = _variable(costs, "draft", 1.0, sizes, 1.0) + _variable(costs, "verify", 1.0, sizes, 0.0)
-        if not (accepted[:, 0] >= plain * per_row).any():
-            return [0] * batch  # no sequence's first draft pays at plain decoding's goodput
-        debts = np.zeros(batch) if behind is None else np.asarray(behind, dtype=np.float64)
-        catch_up = _variable(costs, "catch_up", debts, debts * (sizes - debts / 2), debts > 0)  # s each
         staying = self.rounds_share >= STAYING and batch.bit_length() <= self._rounds_class
         margin = self.settings.stay_margin if staying else self.settings.round_margin
+        far = (1.0 - self.settings.hold_gap) * margin  # promising less than this x plain: far
+        if not (accepted[:, 0] >= plain * per_row).any():  # no first draft pays at plain's goodput
+            self._far = not (accepted[:, 0] >= far * plain * per_row).any()
+            return [0] * batch
+        debts = np.zeros(batch) if behind is None else np.asarray(behind, dtype=np.float64)
+        catch_up = _variable(costs, "catch_up", debts, debts * (sizes - debts / 2), debts > 0)  # s each
         best, caps, goal = margin * plain, [0] * batch, plain
         seen = self.acceptance.proposed.trials[0]  # the sequence-rounds the rates rest on
         width = max(1, int(self.settings.width_growth * seen)) if seen and not sure else batch
@@ -460,6 +475,7 @@ class DraftLengthController:
             rate, length = self._best_round(proposes, accepts, horizons, sizes,
                                             float(catch_up[drafting].sum()), bool(debts[drafting].any()))
             if rate <= best:
+                self._far = goal == plain and rate < far * plain
                 break
             best, goal = rate, rate
             caps = np.minimum(length, horizons).tolist()

@@ -461,7 +461,7 @@ def test_a_draft_model_runs_only_for_the_sequences_that_draft(model_dirs, hf_ora
 
     def decide(histories, limits, state):  # two steps for one, two for the other
         turn = next(turns) // 2 % 2
-        return [min(2, limit) if i % 2 == turn else 0 for i, limit in enumerate(limits)]
+        return [min(2, limit) if i % 2 == turn else 0 for i, limit in enumerate(limits())]
 
     monkeypatch.setattr(eng.speculator.controller, "decide", decide)
     rows = []
