@@ -458,22 +458,28 @@ class DraftLengthController:
         if not (accepted[:, 0] >= plain * per_row).any():  # no first draft pays at plain's goodput
             self._far = not (accepted[:, 0] >= far * plain * per_row).any()
             return [0] * batch
-        debts = np.zeros(batch) if behind is None else np.asarray(behind, dtype=np.float64)
-        catch_up = _variable(costs, "catch_up", debts, debts * (sizes - debts / 2), debts > 0)  # s each
-        best, caps, goal = margin * plain, [0] * batch, plain
+        debts = np.asarray(behind, dtype=np.float64) if behind is not None and any(behind) else None
+        if debts is not None:  # seconds of each sequence's catch-up rows
+            catch_up = _variable(costs, "catch_up", debts, debts * (sizes - debts / 2), debts > 0)
+        best, caps, goal, previous = margin * plain, [0] * batch, plain, None
         seen = self.acceptance.proposed.trials[0]  # the sequence-rounds the rates rest on
         width = max(1, int(self.settings.width_growth * seen)) if seen and not sure else batch
         for _ in range(2):
             horizons = (accepted >= goal * per_row[:, None]).sum(axis=1)
-            within = np.arange(proposes.shape[1]) < horizons[:, None]
-            net = ((accepts - goal * per_row[:, None] * proposes) * within).sum(axis=1) - goal * catch_up
-            if debts.any():  # drafting must also earn its whole catch-up, in this round
-                horizons[net < 0] = 0
-            if (horizons > 0).sum() > width:  # those with the most net tokens draft
-                horizons[np.argsort(-net, kind="stable")[width:]] = 0
-            drafting = horizons > 0
+            if debts is not None or (horizons > 0).sum() > width:
+                within = np.arange(proposes.shape[1]) < horizons[:, None]
+                net = ((accepts - goal * per_row[:, None] * proposes) * within).sum(axis=1)
+                if debts is not None:  # drafting must also earn its whole catch-up, in this round
+                    net -= goal * catch_up
+                    horizons[net < 0] = 0
+                if (horizons > 0).sum() > width:  # those with the most net tokens draft
+                    horizons[np.argsort(-net, kind="stable")[width:]] = 0
+            if previous is not None and np.array_equal(horizons, previous):
+                break  # the round just priced: no better
+            drafting, previous = horizons > 0, horizons
+            owed = debts is not None and bool(debts[drafting].any())
             rate, length = self._best_round(proposes, accepts, horizons, sizes,
-                                            float(catch_up[drafting].sum()), bool(debts[drafting].any()))
+                                            float(catch_up[drafting].sum()) if owed else 0.0, owed)
             if rate <= best:
                 self._far = goal == plain and rate < far * plain
                 break
@@ -513,13 +519,18 @@ class DraftLengthController:
         carried = horizons[:, None] >= position  # [B, L]: sequence b may draft at pass i
         d = proposes[:, :longest] * carried
         rows = d.sum(axis=0)
-        attended = (d * (lengths[:, None] + position)).sum(axis=0)
         runs = 1.0 - np.prod(1.0 - d, axis=0)  # the pass runs if anyone proposes in it
-        first = (costs.predict("first_draft", batch, context) + catch_up
-                 + catches_up * costs.fixed("catch_up"))
-        seconds = first + np.cumsum(runs * costs.fixed("draft") + _variable(costs, "draft", rows, attended, rows))
+        # rows, attended context and passes run up to each pass, and the tokens they yield
+        rows_to, attended_to = np.cumsum(rows), np.cumsum(lengths @ d + position * rows)
         tokens = batch + np.cumsum((accepts[:, :longest] * carried).sum(axis=0))
-        verify = _predict(costs, "verify", batch + np.cumsum(rows), context + np.cumsum(attended), batch)
+        _, d_rows, d_seqs, d_context, _ = costs.fit("draft").theta  # a later draft pass: one row each
+        seconds = (costs.predict("first_draft", batch, context) + catch_up
+                   + catches_up * costs.fixed("catch_up") + costs.fixed("draft") * np.cumsum(runs)
+                   + ((d_rows + d_seqs) / ROW_SCALE) * rows_to + (d_context / CONTEXT_SCALE) * attended_to)
+        _, v_rows, v_seqs, v_context, _ = costs.fit("verify").theta
+        verify = np.maximum(costs.intercept("verify") + (v_rows / ROW_SCALE) * (batch + rows_to)
+                            + (v_seqs / ROW_SCALE) * batch + (v_context / CONTEXT_SCALE) * (context + attended_to),
+                            1e-7)
         rate = tokens / (seconds + verify)
         best = int(np.argmax(rate))
         return (float(rate[best]), best + 1) if rate[best] > 0 else (0.0, 0)
@@ -532,7 +543,3 @@ def _variable(costs: PassCosts, kind: str, rows, context, sequences) -> np.ndarr
     return ((t_rows / ROW_SCALE) * rows + (t_seqs / ROW_SCALE) * sequences
             + (t_context / CONTEXT_SCALE) * context)
 
-
-def _predict(costs: PassCosts, kind: str, rows: np.ndarray, context: np.ndarray, sequences) -> np.ndarray:
-    """``PassCosts.predict`` over arrays."""
-    return np.maximum(costs.intercept(kind) + _variable(costs, kind, rows, context, sequences), 1e-7)
