@@ -352,22 +352,30 @@ def test_the_rounds_of_a_draining_batch_leave_the_full_batchs_hold_alone():
     assert spec.controller.planned == planned + 1
 
 
-def test_a_rounds_lengths_are_held_for_doubling_spans_while_the_batch_is_the_same_sequences():
-    """After a priced round the same sequences draft the same lengths without planning (each
-    within its limit): 1 round, then 2, 4, 8, 16, 16 ... (``ROUND_HOLD_MAX``); other sequences,
-    or a plain decision, are priced at once."""
+def test_a_rounds_lengths_are_held_for_doubling_spans_while_no_sequence_joins():
+    """After a priced round its sequences draft the same lengths without planning (each within
+    its limit): 1 round, then 2, 4, 8, 16, 16 ... (``ROUND_HOLD_MAX``), and so do those left when
+    others end (a batch's sequences ending one by one, each round re-priced at batch 8, was half
+    the priced steps of early exit's summaries). A sequence that joins, or a plain decision, is
+    priced at once; so is a batch whose drafting sequences have all ended."""
     controller = priced(0.00167)  # drafting pays
-    h, other = controller.history, controller.new_history()
+    h, other, third = controller.history, controller.new_history(), controller.new_history()
     assert [controller.choose([h, h], [1, 1], [10, 10]) for _ in range(40)] == [[1, 1]] * 40
     assert controller.planned == 6  # priced at steps 1, 3, 6, 11, 20 and 37 (held 3 of 16 since)
     assert controller.choose([h, h], [1, 0], [10, 10]) == [1, 0]  # held, within the limits
     assert controller.planned == 6
     assert controller.choose([h, other], [1, 1], [10, 10]) == [1, 1] and controller.planned == 7
-    for _ in range(60):  # drafting costs more (0.9x): other sequences are priced at once and
-        controller.observe_pass("draft", 1, 10, 0.003)  # decode plainly, which ends the round's hold
-    assert controller.choose([h], [1], [10]) == [0] and controller.planned == 8
-    assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 8
-    assert controller.choose([h, other], [1, 1], [10, 10]) == [0, 0] and controller.planned == 9
+    assert controller.choose([other], [1], [10]) == [1] and controller.planned == 7  # h ended
+    assert controller.choose([h, other], [1, 1], [10, 10]) == [1, 1] and controller.planned == 8
+    for _ in range(60):  # drafting costs more (0.9x): a joining sequence is priced at once and
+        controller.observe_pass("draft", 1, 10, 0.003)  # decodes plainly, which ends the round's hold
+    assert controller.choose([h, third], [1, 1], [10, 10]) == [0, 0] and controller.planned == 9
+    assert controller.choose([h, third], [1, 1], [10, 10]) == [0, 0] and controller.planned == 9
+    assert controller.choose([h, third], [1, 1], [10, 10]) == [0, 0] and controller.planned == 10
+    cheap = priced(0.0005)  # a round where one of two drafts pays; once it ends, the other may
+    h, other = cheap.history, cheap.new_history()
+    assert cheap.choose([h, other], [1, 0], [10, 10]) == [1, 0] and cheap.planned == 1
+    assert cheap.choose([other], [1], [10]) == [1] and cheap.planned == 2
 
 
 def test_a_round_that_adds_more_observations_than_the_rates_rest_on_is_priced_again():
