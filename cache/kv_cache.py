@@ -165,8 +165,11 @@ class KVCache:
         self.metrics.cow_copies += 1
 
     def _copy_block(self, src: int, dst: int, num_tokens: int) -> None:
-        self.storage.copy_blocks([src], [dst], num_tokens=num_tokens)
-        self.draft_slots[dst] = min(self.draft_slots[src], num_tokens)
+        """The first ``num_tokens`` slots of ``src`` into ``dst``; of the extra stores only those
+        they hold current (``draft_slots``: a draft that decoded nothing copies nothing)."""
+        held = min(int(self.draft_slots[src]), num_tokens)
+        self.storage.copy_blocks([src], [dst], num_tokens=num_tokens, extra_tokens=held)
+        self.draft_slots[dst] = held
 
     # -- the extra stores' lazy fill ------------------------------------------------------------
     def mark_draft_written(self, table: BlockTable, start: int, end: int) -> None:

@@ -4,7 +4,7 @@ Layout per layer is FlashInfer's NHD paged format ``[num_blocks, 2, block_size, 
 head_dim]`` (index 0 of dim 1 is K, 1 is V). Block ids index dim 0 of every layer at once. The host
 tier has the same layout in CPU memory (pinned when CUDA is present) and holds swapped-out blocks.
 
-Guarantees: copies and swaps move every layer's K and V of a block bit for bit.
+Guarantees: copies and swaps move every layer's K and V of the slots they name bit for bit.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class KVStorage:
 
     ``extra_layouts`` add further stores addressed by the same block ids (a draft model's K/V next
     to its target's: one block table, two physical stores). Copies, swaps and moves act on every
-    store, so a block means the same positions in all of them.
+    store, so a block means the same positions in all of them (a copy of a block's first slots
+    may copy fewer of the extra stores', those they hold current).
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu",
@@ -84,18 +85,25 @@ class KVStorage:
     def device_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
-    def copy_blocks(self, src: list[int], dst: list[int], num_tokens: int | None = None) -> None:
+    def copy_blocks(self, src: list[int], dst: list[int], num_tokens: int | None = None,
+                    extra_tokens: int | None = None) -> None:
         """Copy blocks ``src[i] -> dst[i]`` in every layer (only the first ``num_tokens`` slots if
-        given: token-exact reuse of a partially matching block)."""
+        given: token-exact reuse of a partially matching block; in the extra stores only the
+        first ``extra_tokens`` if given, what they hold current: none while a draft model has
+        not run, so its store is not copied at all)."""
         if not src:
             return
         s = torch.tensor(src, device=self.device)
         d = torch.tensor(dst, device=self.device)
-        for layer in self.layers:
-            if num_tokens is None:
-                layer[d] = layer[s]
-            else:
-                layer[d, :, :num_tokens] = layer[s, :, :num_tokens]
+        for i, store in enumerate(self.stores):
+            slots = num_tokens if i == 0 or extra_tokens is None else extra_tokens
+            if slots == 0:
+                continue
+            for layer in store:
+                if slots is None:
+                    layer[d] = layer[s]
+                else:
+                    layer[d, :, :slots] = layer[s, :, :slots]
 
     def move_blocks(self, mapping: dict[int, int]) -> None:
         """Compaction: data of each ``old`` block ends up in ``new``."""

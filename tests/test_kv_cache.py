@@ -228,3 +228,27 @@ def test_draft_slots_count_only_what_the_extra_store_holds_for_the_current_token
     cache.check_integrity()
     for t in tables[1:]:
         cache.free(t)
+
+
+def test_a_copy_on_write_copies_of_the_extra_store_only_the_slots_it_holds():
+    """A partial block copied on write: the target's 2 slots come along, and of the extra store
+    (a draft model's) only the 1 slot ``draft_slots`` says it holds; a block the draft never
+    wrote copies nothing of it."""
+    draft = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)
+    cache = KVCache(LAYOUT, num_blocks=12, extra_layouts=[draft])
+    [store] = cache.storage.stores[1]
+    store.copy_(torch.randn(store.shape, generator=torch.Generator().manual_seed(3)))
+    marked, _ = filled_table(cache, 10, seed=0)  # blocks a, b full; c holds 2 slots
+    unmarked, _ = filled_table(cache, 10, seed=1)
+    cache.mark_draft_written(marked, 0, 9)  # block c: 1 of its 2 slots
+    for table, held in ((marked, 1), (unmarked, 0)):
+        child = cache.fork(table)
+        cache.append_slots(child, 1)
+        src, dst = table.blocks[2], child.blocks[2]
+        assert torch.equal(cache.storage.layers[0][dst, :, :2], cache.storage.layers[0][src, :, :2])
+        assert cache.draft_slots[dst] == held
+        assert torch.equal(store[dst, :, :held], store[src, :, :held])
+        assert not torch.equal(store[dst, :, held:2], store[src, :, held:2])  # not copied
+        cache.free(child)
+        cache.free(table)
+    cache.check_integrity()
