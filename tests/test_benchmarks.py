@@ -149,7 +149,7 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
         return [[1, 2]], seconds[name], {**stats, "run_prefill_seconds": 0.5,
                                          "run_decode_seconds": seconds[name] - 0.5}
 
-    def scripted(model, prompts, batch, configs, repeats, budget):
+    def scripted(model, prompts, warm, batch, configs, repeats, budget):
         return {(name, load): [(run(name), run("plain"))] * 3 for name in configs for load in prompts}
 
     monkeypatch.setattr(spec_bench, "interleaved", scripted)
@@ -168,6 +168,17 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
     assert result["decode_speedup_early_exit_b8"] == 3.0 and result["prefill_share_plain_b8"] == 0.25
 
 
+def test_the_warm_up_prompt_is_none_of_the_workload():
+    """An engine's warm-up request leaves its prompt's K/V cached: it must be a prompt of the
+    workload's kind that the run never serves (else its first request, and only that one, meets
+    a warm cache)."""
+    loads, warm = spec_bench.workloads(32, 11), spec_bench.warm_ups(11)
+    assert set(warm) == set(loads)
+    for load, prompts in loads.items():
+        assert len(warm[load]) == 1 and warm[load][0] not in prompts
+        assert type(warm[load][0]) is type(prompts[0])
+
+
 @pytest.mark.parametrize("method", ["early_exit", "draft_model"])
 def test_an_all_accepted_run_accepts_every_draft_and_keeps_the_outputs(method):
     """``--all-accepted`` drafts the target's own tokens (each round's pass i proposes the token i
@@ -175,11 +186,12 @@ def test_an_all_accepted_run_accepts_every_draft_and_keeps_the_outputs(method):
     taking turns step by step with a plain engine that gives them too. Each run's step seconds
     leave its engine's warm-up out: they fit in the run's own time."""
     prompts = spec_bench.workloads(3, 11)["summaries"]
-    own = spec_bench.own_outputs(spec_bench.BUNDLED_MODEL, prompts, 2)
+    warm_up = spec_bench.warm_ups(11)["summaries"]
+    own = spec_bench.own_outputs(spec_bench.BUNDLED_MODEL, warm_up, prompts, 2)
     config = SpeculativeConfig(method=method, num_tokens=6, draft_length="fixed",
                                draft_model=spec_bench.DRAFT_MODEL if method == "draft_model" else None)
-    engines = {"all_accepted": spec_bench.fresh_engine(spec_bench.BUNDLED_MODEL, prompts, 2, config, own),
-               "plain": spec_bench.fresh_engine(spec_bench.BUNDLED_MODEL, prompts, 2, None)}
+    engines = {"all_accepted": spec_bench.fresh_engine(spec_bench.BUNDLED_MODEL, warm_up, 2, config, own),
+               "plain": spec_bench.fresh_engine(spec_bench.BUNDLED_MODEL, warm_up, 2, None)}
     runs = spec_bench.in_turns(engines, prompts, 2)
     for outs, seconds, stats in runs.values():
         assert outs == list(own.values())
@@ -214,7 +226,8 @@ def test_short_runs_get_more_rounds_up_to_a_cap(monkeypatch, seconds, rounds):
     monkeypatch.setattr(spec_bench, "fresh_engine", lambda *args: None)
     monkeypatch.setattr(spec_bench, "in_turns",
                         lambda engines, *args: calls.append(engines) or {name: ([], 0.5, {}) for name in engines})
-    pairs = spec_bench.interleaved(Path("model"), {"load": ["p"]}, 1, {"plain_again": None, "other": None},
+    pairs = spec_bench.interleaved(Path("model"), {"load": ["p"]}, {"load": ["w"]}, 1,
+                                   {"plain_again": None, "other": None},
                                    repeats=2, seconds=seconds)
     assert [len(rs) for rs in pairs.values()] == [rounds, rounds]
     assert len(calls) == 2 * (rounds + 1) and all(list(c) == ["plain", n] for c, n in
@@ -232,7 +245,7 @@ def test_every_speedup_divides_its_own_baseline(monkeypatch, tmp_path, all_accep
                                    "spec_seq_mean_draft_length_mean": 1.0, "run_prefill_seconds": 0.1,
                                    "run_decode_seconds": 0.5}
 
-    def scripted(model, prompts, batch, configs, repeats, budget):  # each beside its own plain run
+    def scripted(model, prompts, warm, batch, configs, repeats, budget):  # each beside its own plain run
         plain = {"plain_again": 4.0, "early_exit_all_accepted": 4.0, "draft_all_accepted": 4.0}
         return {(name, load): [(run({"plain_again": 2.0}.get(name, 1.0)), run(plain.get(name, 2.0)))] * 3
                 for name in configs for load in prompts}

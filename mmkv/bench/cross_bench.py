@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from mmkv.bench.spec_bench import BUNDLED_MODEL, fresh_engine, in_turns, paired, workloads
+from mmkv.bench.spec_bench import BUNDLED_MODEL, fresh_engine, in_turns, paired, warm_ups, workloads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,13 +26,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     scenes = workloads(args.requests, args.seed)["scenes"]
+    warm_up = warm_ups(args.seed)["scenes"]
     result, equal = {}, True
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = scenes[:args.batch1_requests] if batch == 1 else scenes
         seconds: dict[str, list[float]] = {"one_call": [], "apart": []}
         outputs = {}
         for round_ in range(args.repeats + 1):  # the first round settles the process, uncounted
-            engines = {variant: fresh_engine(BUNDLED_MODEL, prompts, batch, None,
+            engines = {variant: fresh_engine(BUNDLED_MODEL, warm_up, batch, None,
                                              one_call_cross=variant == "one_call")
                        for variant in ("one_call", "apart")}
             for variant, (outs, s, _) in in_turns(engines, prompts, batch).items():

@@ -21,7 +21,7 @@ import argparse
 from dataclasses import fields, replace
 from pathlib import Path
 
-from mmkv.bench.spec_bench import DRAFT_MODEL, PLAIN, fresh_engine, in_turns, paired, workloads
+from mmkv.bench.spec_bench import DRAFT_MODEL, PLAIN, fresh_engine, in_turns, paired, warm_ups, workloads
 from mmkv.engine import BUNDLED_MODEL, BUNDLED_SPECULATION
 from speculative import SpeculativeConfig
 from speculative.controller import Settings
@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--set {err}") from None
     requests = args.requests or (8 if args.batch == 1 else 32)
     prompts = workloads(requests, args.seed)[args.load]
+    warm_up = warm_ups(args.seed)[args.load]
     speculative = SpeculativeConfig(method=args.method, num_tokens=BUNDLED_SPECULATION["num_tokens"],
                                     adaptive_threshold=BUNDLED_SPECULATION["adaptive_threshold"],
                                     draft_model=args.draft if args.method == "draft_model" else None)
@@ -61,9 +62,9 @@ def run(args: argparse.Namespace) -> dict:
     drafted = {"old": 0, "new": 0}
     equal = True
     for counted in [False] + [True] * args.rounds:
-        engines = {PLAIN: fresh_engine(args.model, prompts, args.batch, None),
-                   "old": fresh_engine(args.model, prompts, args.batch, speculative),
-                   "new": fresh_engine(args.model, prompts, args.batch, changed)}
+        engines = {PLAIN: fresh_engine(args.model, warm_up, args.batch, None),
+                   "old": fresh_engine(args.model, warm_up, args.batch, speculative),
+                   "new": fresh_engine(args.model, warm_up, args.batch, changed)}
         runs = in_turns(engines, prompts, args.batch)
         equal &= runs["old"][0] == runs[PLAIN][0] == runs["new"][0]
         if counted:
