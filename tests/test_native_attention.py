@@ -69,7 +69,7 @@ def reference(q, k, v, q_pos, k_pos, scale, window, prior=None):
 
 @st.composite
 def problems(draw):
-    dim = draw(st.sampled_from([64, 128, 80, 24]))  # 64-wide blocks, 16-wide ones, neither
+    dim = draw(st.sampled_from([64, 128, 80, 24, 36]))  # 64-, 16- and 8-wide blocks, and a rest
     hkv = draw(st.sampled_from([1, 2, 4]))
     return dict(dim=dim, hkv=hkv, hq=hkv * draw(st.sampled_from([1, 2, 4])),
                 m=draw(st.integers(1, 6)), lens=draw(st.lists(st.integers(1, 70), min_size=1, max_size=5)),
