@@ -71,9 +71,8 @@ static inline void page_scores(float *restrict score, const float *restrict q, c
 #if defined(__AVX2__) && defined(__FMA__)
     if (dim % 8 == 0) {
         /* eight keys at a time, as above with 8-wide registers: each key's products summed
-         * lane-wise, then the eight registers folded into one of eight sums (3 levels of
-         * horizontal adds and a cross-lane add); a key's dot product by itself, folded alone,
-         * cost about three times as much at the bundled model's 24-wide heads */
+         * lane-wise, then the eight registers folded into one of eight sums (two levels of
+         * horizontal adds and a cross-lane add) instead of each key's sum reduced on its own */
         for (int t0 = start; t0 < end; t0 += 8) {
             __m256 acc[8];
             for (int t = 0; t < 8; t++) {
