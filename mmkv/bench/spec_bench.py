@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     batches = [int(b) for b in args.batches.split(",")]
-    loads = workloads(args.requests, args.seed)
+    loads, warm = workloads(args.requests, args.seed), warm_ups(args.seed)
     speculative = {"early_exit": SpeculativeConfig(
         num_tokens=args.num_tokens, early_exit_layer=args.early_exit_layer,
         adaptive_threshold=args.adaptive_threshold or None, draft_length=args.draft_length)}
@@ -279,8 +279,7 @@ def run(args: argparse.Namespace) -> dict:
     for batch in batches:
         subset = {load: prompts[:args.batch1_requests] if batch == 1 else prompts
                   for load, prompts in loads.items()}
-        pairs = interleaved(args.model, subset, warm_ups(args.seed), batch, configs, args.repeats,
-                            args.seconds)
+        pairs = interleaved(args.model, subset, warm, batch, configs, args.repeats, args.seconds)
         result[f"rounds_b{batch}"] = len(next(iter(pairs.values())))
         runs = {key: [run for run, _ in rs] for key, rs in pairs.items()}
         beside = {key: [plain for _, plain in rs] for key, rs in pairs.items()}  # each run's plain partner
