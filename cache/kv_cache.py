@@ -306,6 +306,12 @@ class KVCache:
         self.draft_slots = slots
         return mapping
 
+    def reset_cache(self) -> None:
+        """Forget every cached prefix and every count: each evictable block becomes free and the
+        metrics start from 0; blocks in use stay as they are."""
+        self.tree.evict(self.pool.num_evictable)
+        self.metrics.reset()
+
     # -- reporting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         pool = self.pool

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from mmkv.engine import BUNDLED_MODEL
+from mmkv.bundled import BUNDLED_MODEL
 from mmkv.models import MmkvVLM
 from mmkv.synthetic import POSITIONS, random_scene, scene_prompt
 from vision import OpenClipEncoder

@@ -16,7 +16,7 @@ import random
 
 from mmkv import Engine, SamplingParams
 from mmkv.bench import timed
-from mmkv.engine import BUNDLED_MODEL, BUNDLED_SPECULATION
+from mmkv.bundled import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL, BUNDLED_SPECULATION
 from mmkv.synthetic import document_prompt, random_report, random_scene, scene_prompt
 from speculative import SpeculativeConfig
 
@@ -36,7 +36,7 @@ def main() -> None:
         "plain": None,
         "early exit": SpeculativeConfig(method="early_exit", **BUNDLED_SPECULATION),
         "draft model": SpeculativeConfig(method="draft_model", **BUNDLED_SPECULATION,
-                                         draft_model=BUNDLED_MODEL.parent / "tiny-draft"),
+                                         draft_model=BUNDLED_DRAFT_MODEL),
     }
     reference, plain_rate = None, None
     for name, config in variants.items():

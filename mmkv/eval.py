@@ -17,7 +17,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from mmkv.engine import BUNDLED_MODEL, BUNDLED_SPECULATION, Engine
+from mmkv.bundled import BUNDLED_MODEL, BUNDLED_SPECULATION
+from mmkv.engine import Engine
 from mmkv.models.base import read_config_json
 from mmkv.sampling_params import SamplingParams
 from mmkv.synthetic import document_examples, document_prompt, scene_examples, scene_prompt

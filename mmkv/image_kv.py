@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from cache import BlockTable, ImageSpan, KVCache, make_keys
-from mmkv.attention.backend import AttentionBackend
 from mmkv.models import ModelAdapter
 from mmkv.sequence import SeqImage, Sequence
+from mmkv.step_context import AttentionBackend
 
 
 class CrossAttentionKV:

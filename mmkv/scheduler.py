@@ -12,6 +12,10 @@ Order of work in a step, under a budget of ``max_num_batched_tokens``:
    prompt shares at least a block more with a sequence still prefilling than the cache holds yet
    waits one step, so prompts submitted together compute their shared prefix once.
 
+4. Decoding sequences that may speculate (one sequence a request, no log-probabilities) get the
+   draft length the draft-length controller chose for this step and that many more slots
+   reserved, while the pool has them; when it chose 0 for all, they decode plainly.
+
 Preemption either swaps the victim's private blocks to the host tier or drops them to recompute
 later. ``preemption="auto"`` picks per victim the cheaper by this estimate::
 
@@ -24,21 +28,24 @@ the victim is recomputed. ``rebuild_flops(start, count)`` is the model's cost of
 ``count`` tokens from position ``start``; it is also each cached block's cost for the cost-based
 eviction policy.
 
-Guarantees: a scheduled sequence has its slots reserved; the most important running sequence always
-progresses, so a request that fits in the pool alone always finishes.
+Guarantees: a scheduled sequence has its slots reserved (its drafts' too); the most important
+running sequence always progresses, so a request that fits in the pool alone always finishes.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 import xxhash
 
 from cache import BlockTable, KVCache, OutOfBlocksError
 from mmkv.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from mmkv.image_kv import CrossAttentionKV
 
 SWAP_LATENCY = 1e-4  # seconds of fixed cost per swap (allocation, launch, synchronisation)
 DEVICE_SPEED = {  # (device_flops, host_bandwidth_bytes_per_s) for the preemption estimate
@@ -64,10 +71,21 @@ class SchedulerConfig:
 
 
 class ScheduledBatch(NamedTuple):
-    """Sequences to run this step and how many new tokens each computes."""
+    """One step's work. A plain pass computes ``q_lens[i]`` new tokens of ``seqs[i]``; a
+    speculative round drafts up to ``draft_lengths[i]`` tokens after the pending token of
+    ``drafting[i]`` (0: it joins verification with its pending token alone) and verifies them.
+    ``failed``: sequences whose admission raised (computing their images' K/V), out of every
+    queue and holding nothing."""
 
     seqs: list[Sequence]
     q_lens: list[int]
+    drafting: list[Sequence]
+    draft_lengths: list[int]
+    failed: list[tuple[Sequence, Exception]]
+
+    def only_decodes(self) -> bool:
+        """Whether every scheduled sequence computes just its pending token (before it runs)."""
+        return all(s.num_computed == len(s.token_ids) - 1 for s in (*self.seqs, *self.drafting))
 
 
 @dataclass(slots=True)
@@ -117,39 +135,60 @@ def _digest(keys: np.ndarray) -> int:
 
 
 class Scheduler:
-    """Decides each step's batch and keeps sequences' block tables in step with the cache."""
+    """Decides each step's batch and keeps sequences' block tables in step with the cache.
+
+    ``image_kv`` holds cross-attention models' image K/V (admitting a sequence acquires its
+    images'); ``draft_lengths`` is the draft-length controller of a speculating engine: for the
+    decoding sequences that may speculate, how many tokens each drafts this step."""
 
     def __init__(self, kv: KVCache, config: SchedulerConfig,
-                 rebuild_flops: Callable[[int, int], float], device_type: str) -> None:
+                 rebuild_flops: Callable[[int, int], float], device_type: str,
+                 image_kv: CrossAttentionKV | None = None,
+                 draft_lengths: Callable[[list[Sequence]], list[int]] | None = None) -> None:
         self.kv = kv
         self.config = config
         self.rebuild_flops = rebuild_flops
         self.flops, self.bandwidth = DEVICE_SPEED.get(device_type, DEVICE_SPEED["cuda"])
+        self.image_kv = image_kv
+        self.draft_lengths = draft_lengths
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.preemptions = PreemptionStats()
-        self.cached_prompt_tokens = 0
-        self.failures: list[tuple[Sequence, Exception]] = []  # raised while being admitted
-        self.image_kv = None  # CrossAttentionKV for cross-attention models, set by the engine
+        self.cached_prompt_tokens = 0  # prompt tokens served from the cache at first admission
+        self.peak_blocks_in_use = 0  # the most blocks a step has held, its drafts' slots included
+        self._failures: list[tuple[Sequence, Exception]] = []  # raised while being admitted
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that runs from now on, its table already holding its K/V (a sample forked
+        from a running one)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def take_failures(self) -> list[tuple[Sequence, Exception]]:
-        """Sequences whose admission raised (computing their images' K/V) since the last call;
-        they are out of every queue and hold nothing."""
-        failures, self.failures = self.failures, []
-        return failures
+    def stats(self) -> dict[str, int]:
+        """Requests running and waiting (or swapped out), prompt tokens served from the cache,
+        preemptions by kind, bytes swapped out and the peak of blocks in use."""
+        running = {s.request_id for s in self.running}
+        waiting = {s.request_id for s in (*self.waiting, *self.swapped)} - running
+        pre = self.preemptions
+        return {"requests_running": len(running), "requests_waiting": len(waiting),
+                "cached_prompt_tokens": self.cached_prompt_tokens,
+                "preemptions_recompute": pre.recompute, "preemptions_swap": pre.swap,
+                "swapped_bytes": pre.swapped_bytes, "peak_blocks_in_use": self.peak_blocks_in_use}
 
     # -- the step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        """This step's batch. Raises ``RuntimeError`` when there is work but none of it could be
+        scheduled (a bug: a request that fits the pool alone always progresses)."""
         budget = self.config.max_num_batched_tokens
-        batch = ScheduledBatch([], [])
+        batch = ScheduledBatch([], [], [], [], [])
         preemptions_before = self.preemptions.recompute + self.preemptions.swap
         self.running.sort(key=lambda s: s.sort_key)
         i = 0
@@ -166,7 +205,39 @@ class Scheduler:
             budget = self._resume_swapped(batch, budget)
             if not self.swapped:
                 self._admit_waiting(batch, budget)
+        failed, self._failures = self._failures, []
+        if not batch.seqs and not failed and self.has_work():
+            raise RuntimeError("the scheduler could not schedule any work")
+        batch = self._plan_drafts(batch._replace(failed=failed))
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.kv.pool.num_in_use)
         return batch
+
+    def _plan_drafts(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """Move the decoding sequences that may speculate to the round with the draft lengths the
+        controller chose, each with its drafts' slots reserved (a draft the pool has no room for
+        becomes 0); when it chose 0 for all, they decode in the plain pass, after the others."""
+        if self.draft_lengths is None:
+            return batch
+        seqs, q_lens, candidates = [], [], []
+        for seq, q in zip(batch.seqs, batch.q_lens):
+            if q == 1 and seq.num_pending == 1 and seq.params.n == 1 and seq.params.logprobs is None:
+                candidates.append(seq)
+            else:
+                seqs.append(seq)
+                q_lens.append(q)
+        if not candidates:
+            return batch
+        lengths = self.draft_lengths(candidates)
+        if not any(lengths):
+            return ScheduledBatch(seqs + candidates, q_lens + [1] * len(candidates), [], [], batch.failed)
+        reserved = []
+        for seq, gamma in zip(candidates, lengths):
+            if gamma and self.kv.blocks_needed(seq.table, gamma) <= self.kv.num_available():
+                self.kv.append_slots(seq.table, gamma)
+            else:
+                gamma = 0
+            reserved.append(gamma)
+        return ScheduledBatch(seqs, q_lens, candidates, reserved, batch.failed)
 
     def _reserve_preempting(self, seq: Sequence, n: int) -> bool:
         """Reserve ``n`` slots for ``seq``, preempting from the back of ``running`` as needed.
@@ -277,12 +348,12 @@ class Scheduler:
 
     def _acquire_images(self, seq: Sequence) -> bool | None:
         """Whether the images' K/V are held now; None when computing them raised (the sequence
-        then left its queue for ``failures``)."""
+        then left its queue for the batch's ``failed``)."""
         try:
             return self.image_kv is None or not seq.images or self.image_kv.acquire(seq)
         except Exception as err:
             self._release(seq)
-            self.failures.append((seq, err))
+            self._failures.append((seq, err))
             return None
 
     def _release_images(self, seq: Sequence) -> None:

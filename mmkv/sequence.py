@@ -13,7 +13,7 @@ from mmkv.detokenizer import IncrementalText
 from mmkv.models import ImagePlacement, MRopePositions
 from mmkv.outputs import TokenLogprob
 from mmkv.sampling_params import SamplingParams
-from speculative import DraftHistory
+from speculative.acceptance import DraftHistory
 from vision import PreparedImage
 
 
@@ -56,6 +56,8 @@ class Sequence:
     arrival: int
     namespace: bytes
     generator: torch.Generator | None
+    stop_token_ids: frozenset[int] = frozenset()  # tokens that end it when generated
+    fork_generators: list[torch.Generator | None] = field(default_factory=list)  # of samples 1..n-1
     status: Status = Status.WAITING
     table: BlockTable | None = None
     swapped: SwappedTable | None = None
@@ -70,7 +72,8 @@ class Sequence:
     image_tables: list[BlockTable] = field(default_factory=list)  # cross-attention K/V blocks
     rope: MRopePositions | None = None  # M-RoPE models: positions fixed at submission
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
-    drafting: DraftHistory | None = None  # speculative decoding: its drafts' record
+    # the speculator's own record of this sequence (the runner's proposers keep them)
+    drafting: DraftHistory | None = None  # its drafts' acceptance
     draft_valid: int | None = None  # a draft model's K/V is current below this (None: ask the cache)
     _array: np.ndarray = field(default=None, repr=False)
 

@@ -209,7 +209,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -281,12 +281,12 @@ class DraftLengthController:
     def __init__(self, positions: int, fixed: bool = False,
                  clock: Callable[[], float] = time.perf_counter,
                  explore_sequences: int | None = None, explore_length: int = EXPLORE_LENGTH,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, costs: PassCosts | None = None) -> None:
         self.positions, self.fixed, self.clock = positions, fixed, clock
-        self.settings = settings or Settings()  # may be replaced before the first choice
+        self.settings = settings or Settings()
         self.explore_sequences = explore_sequences  # None: every sequence explores
         self.explore_length = explore_length
-        self.costs = PassCosts()
+        self.costs = costs or PassCosts()  # the pass costs, learned here or kept from a calibration
         self.acceptance = AcceptanceModel(positions)
         self.lengths = OutputLengths()  # how long recent outputs ran (the engine records them)
         self.decisions = 0  # draft lengths chosen (one per sequence and step)
@@ -295,7 +295,7 @@ class DraftLengthController:
         self.rounds_share = 0.0  # smoothed share of recent steps that ran a round
         self.histories: deque[DraftHistory] = deque(maxlen=HISTORIES_KEPT)
         self.planned = 0  # choices priced (the rest were held or explored)
-        self.script: deque[int] = deque()  # lengths the next steps draft, chosen by none (calibration)
+        self._script: deque[int] = deque()  # ``follow_script``'s lengths still to draft
         self._hold: tuple[int, int] | None = None  # the held plain decision: batch size class, steps left
         self._plain_spans: dict[int, int] = {}  # batch size class -> its last plain hold's span
         self._far = False  # the last priced plain decision was far from paying (Holding)
@@ -303,6 +303,16 @@ class DraftLengthController:
         self._round_hold: tuple[dict[int, tuple[DraftHistory, int]], int, int] | None = None
         # each sequence's length by id(history) (the history kept, so the id stays its own),
         # rounds left, the span
+
+    def follow_script(self, lengths: Iterable[int]) -> None:
+        """Draft ``lengths`` in the next steps, one a step for every sequence (0: a plain step),
+        instead of choosing: the engine's calibration times each kind of pass this way."""
+        self._script.extend(lengths)
+
+    @property
+    def scripted(self) -> bool:
+        """Whether steps of a script are still to come."""
+        return bool(self._script)
 
     def new_history(self) -> DraftHistory:
         history = self.acceptance.new_history()
@@ -326,8 +336,8 @@ class DraftLengthController:
         ``state()``, called only for a step that is priced or explores (a step that keeps a held
         decision needs neither: at batch 32 building them took about a third of a held step's
         planning)."""
-        if self.script:
-            length = self.script.popleft()
+        if self._script:
+            length = self._script.popleft()
             caps = [min(length, limit) for limit in limits()]
         elif self.fixed:
             caps = list(limits())

@@ -91,7 +91,7 @@ def test_image_qa_bench_encodes_each_image_once():
 
 
 def test_cross_bench_answers_alike_with_the_image_groups_in_one_call_and_apart():
-    """Both variants (``Engine(one_call_cross=...)``) serve the scenes and answer alike."""
+    """Both variants (``Engine`` and ``CrossApartEngine``) serve the scenes and answer alike."""
     result = bench("cross", "--batches", "1,2", "--requests", "2", "--batch1-requests", "1", "--repeats", "1")
     assert result["outputs_equal"] is True
     assert set(result) == {"one_call_speedup_b1", "one_call_speedup_b2", "outputs_equal"}
@@ -189,7 +189,7 @@ def test_an_all_accepted_run_accepts_every_draft_and_keeps_the_outputs(method):
     warm_up = spec_bench.warm_ups(11)["summaries"]
     own = spec_bench.own_outputs(spec_bench.BUNDLED_MODEL, warm_up, prompts, 2)
     config = SpeculativeConfig(method=method, num_tokens=6, draft_length="fixed",
-                               draft_model=spec_bench.DRAFT_MODEL if method == "draft_model" else None)
+                               draft_model=spec_bench.BUNDLED_DRAFT_MODEL if method == "draft_model" else None)
     engines = {"all_accepted": spec_bench.fresh_engine(spec_bench.BUNDLED_MODEL, warm_up, 2, config, own),
                "plain": spec_bench.fresh_engine(spec_bench.BUNDLED_MODEL, warm_up, 2, None)}
     runs = spec_bench.in_turns(engines, prompts, 2)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmkv import Engine, SamplingParams
-from mmkv.engine import BUNDLED_MODEL
+from mmkv.bundled import BUNDLED_MODEL
 from mmkv.eval import evaluate
 from mmkv.models.base import read_config_json
 

@@ -7,6 +7,7 @@ import torch
 
 from mmkv import Engine, SamplingParams
 from mmkv.cpu_threads import DecodeThreads
+from mmkv.runner import ModelRunner
 from test_engine_oracle import BLOCK_BYTES, prompts
 
 
@@ -76,17 +77,17 @@ def test_engine_decodes_on_the_faster_count_with_exact_output(model_dirs, hf_ora
         return now[0]
 
     seen = []  # (whether the step only decodes, torch's thread count while it runs)
-    original = Engine._timed_plain
+    original = ModelRunner._timed_plain
 
     def timed_plain(self, seqs, q_lens, *rest):
         seen.append((all(q == 1 for q in q_lens), torch.get_num_threads()))
         return original(self, seqs, q_lens, *rest)
 
-    monkeypatch.setattr(Engine, "_timed_plain", timed_plain)
+    monkeypatch.setattr(ModelRunner, "_timed_plain", timed_plain)
     eng = Engine(model_dirs["llama"], kv_cache_memory=512 * BLOCK_BYTES, block_size=4, device="cpu",
                  dtype="float32")
-    eng.decode_threads.clock = clock
-    eng.decode_threads.explore_every = 2
+    eng.runner.decode_threads.clock = clock
+    eng.runner.decode_threads.explore_every = 2
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     for batch in (prompts(3, [5, 9, 14]), prompts(4, [7, 11])):  # the second's prompts after the switch
         for prompt, out in zip(batch, eng.generate(batch, params)):

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from mmkv import CompletionOutput, SamplingParams
 from mmkv.detokenizer import IncrementalText
-from mmkv.engine import BUNDLED_MODEL
+from mmkv.bundled import BUNDLED_MODEL
 from mmkv.server.async_engine import AsyncEngine
 from mmkv.server.responses import ChoiceStream
 from server_harness import bundled_engine
@@ -97,7 +97,8 @@ def test_decoding_work_per_token_stays_constant():
 
 def test_stop_strings_and_engine_streams_decode_a_window_per_step():
     eng = bundled_engine()
-    sizes, eng._decode = counting_decode()
+    sizes, decode = counting_decode()
+    eng.tokenizer.decode = lambda ids, skip_special_tokens: decode(ids)
     params = SamplingParams(max_tokens=48, ignore_eos=True, stop=["never in a scene"])
     outs = list(eng.stream("describe the scene.", params))
     assert len(outs[-1].token_ids) == 48 and outs[-1].finish_reason == "length"
@@ -110,7 +111,8 @@ def test_stop_strings_and_engine_streams_decode_a_window_per_step():
 
 def test_the_servers_streamed_outputs_decode_a_window_per_step():
     eng = bundled_engine()
-    sizes, eng._decode = counting_decode()
+    sizes, decode = counting_decode()
+    eng.tokenizer.decode = lambda ids, skip_special_tokens: decode(ids)
     front = AsyncEngine(eng, max_pending=4)
     front.start()
 

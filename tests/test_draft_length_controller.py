@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from mmkv import SamplingParams
 from mmkv.models import packed_linear
 from mmkv.sequence import Sequence
-from mmkv.speculation import DraftModelSpeculator, EarlyExitSpeculator, Speculator
 from speculative import DraftLengthController, SpeculativeConfig
-from speculative.controller import EARLY_EXIT_EXPLORE_LENGTH, EXPLORE, EXPLORE_LENGTH, HOLD_MAX, Settings
 from speculative import costs as cost_model
+from speculative.controller import EARLY_EXIT_EXPLORE_LENGTH, EXPLORE, EXPLORE_LENGTH, HOLD_MAX, Settings
 from speculative.costs import LinearFit, PassCosts
 from speculative.lengths import OutputLengths
+from speculative.proposers import DraftModelSpeculator, EarlyExitSpeculator, Speculator
 
 VOCAB = 16
 LIMIT = 8
@@ -181,7 +181,7 @@ def test_with_its_pass_costs_known_it_explores_only_where_a_sure_draft_would_pay
     spec = ScriptedPair(lambda seq, pos: True, lambda rows: 0.5 * rows, lambda rows: 5.0 + 0.5 * rows)
     plain = lambda rows: 5.0 + 0.5 * rows  # noqa: E731
     for batch in (1, 32):
-        spec.controller.script.extend([0, 1, 0, 3])
+        spec.controller.follow_script([0, 1, 0, 3])
         assert decode(spec, sequences(batch), 4, plain) == [[0] * batch, [1] * batch, [0] * batch, [3] * batch]
     spec.keep_costs_only()
     assert spec.controller.costs.count("verify") == 4 and spec.summary()["spec_rounds"] == 0

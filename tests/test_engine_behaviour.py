@@ -60,14 +60,14 @@ def test_outputs_decode_their_text_when_read_and_carry_it_when_pickled(model_dir
     that request's tokens once; each streamed output's text is its own tokens'; a pickled output
     carries its text, not the tokenizer."""
     eng = engine(model_dirs)
-    decode, calls = eng._decode, []
-    eng._decode = lambda ids: calls.append(len(ids)) or decode(ids)
+    decode, calls = eng.tokenizer.decode, []
+    eng.tokenizer.decode = lambda ids, **options: calls.append(len(ids)) or decode(ids, **options)
     outs = eng.generate(["Hello mmkv", "Hello mmkv!"], GREEDY)
     assert calls == []
-    assert outs[0].text == eng.tokenizer.decode(outs[0].token_ids, skip_special_tokens=True)
+    assert outs[0].text == decode(outs[0].token_ids, skip_special_tokens=True)
     assert calls == [len(outs[0].token_ids)]
     streamed = list(eng.stream("Hello", GREEDY))
-    assert [s.text for s in streamed] == [eng.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+    assert [s.text for s in streamed] == [decode(s.token_ids, skip_special_tokens=True)
                                           for s in streamed]
     data = pickle.dumps(outs[1])
     assert len(data) < 2000 and pickle.loads(data).outputs == outs[1].outputs
@@ -116,7 +116,7 @@ def test_eos_ends_a_request_unless_ignored(model_dirs, hf_oracle):
     [prompt] = prompts(15, [7])
     want = hf_oracle("llama", prompt, 16)
     eng = engine(model_dirs)
-    eng.eos_token_ids = {want[5]}
+    eng.preparer.eos_token_ids = {want[5]}  # a request reads them when it is prepared
     out = eng.generate([prompt], SamplingParams(max_tokens=16))[0]
     assert out.token_ids == want[: want.index(want[5]) + 1] and out.finish_reason == "stop"
     assert eng.generate([prompt], GREEDY)[0].token_ids == want

@@ -16,7 +16,7 @@ from mmkv.attention import flashinfer_backend as fb
 from mmkv.attention.flashinfer_backend import FlashInferBackend, Heads
 from mmkv.attention.metadata import CrossSequence, plan_batch, plan_cross
 from mmkv.attention.torch_backend import TorchBackend, attention, cross_attention, write_kv
-from mmkv.models import StepContext
+from mmkv.step_context import StepContext
 from speculative import SpeculativeConfig
 from test_engine_oracle import BLOCK_BYTES, GREEDY, assert_matches_oracle, prompts
 from test_multimodal import BLOCK_BYTES as VLM_BLOCK_BYTES, P, hf_models, oracle, q  # noqa: F401

@@ -13,9 +13,9 @@ from mmkv import Engine, SamplingParams
 from mmkv.models import MmkvVLM
 from mmkv.sampler import top_tokens, top_tokens_kernel
 from mmkv.sequence import Sequence
-from mmkv.speculation import Speculator, _draft
 from speculative import PassCosts, SpeculativeConfig
 from speculative.controller import Settings
+from speculative.proposers import Speculator, _draft
 from test_engine_oracle import BLOCK_BYTES, prompts
 from tiny_models import FAMILIES, LEARNING, build_model, hf_greedy, load_hf
 from tiny_vlms import IMAGE_TOKEN, picture
@@ -242,8 +242,8 @@ def test_calibration_leaves_nothing_behind_but_the_pass_costs(model_dirs, tmp_pa
     assert not any(fresh.speculator.controller.costs.count(kind) for kind in kinds)
     assert traces(calibrated) == traces(fresh)
     assert calibrated.speculator.summary() == fresh.speculator.summary()  # nothing counted
-    if calibrated.decode_threads is not None:  # the requests' batches choose the thread count
-        assert vars(calibrated.decode_threads) == vars(fresh.decode_threads)
+    if calibrated.runner.decode_threads is not None:  # the requests' batches choose the thread count
+        assert vars(calibrated.runner.decode_threads) == vars(fresh.runner.decode_threads)
     batch = prompts(49, [6, 13, 22])
     outs = [eng.generate(batch, GREEDY) for eng in (calibrated, fresh)]
     assert [o.request_id for o in outs[0]] == [o.request_id for o in outs[1]] == [0, 1, 2]

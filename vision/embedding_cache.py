@@ -40,6 +40,14 @@ class EmbeddingCache:
         self._items[uid] = value
         self._bytes += size
 
+    def resize(self, max_bytes: int) -> None:
+        """Hold at most ``max_bytes`` from now on (0: keep nothing), least recently used dropped
+        first."""
+        self.max_bytes = max_bytes
+        while self._bytes > max_bytes:
+            _, dropped = self._items.popitem(last=False)
+            self._bytes -= dropped.numel() * dropped.element_size()
+
     @property
     def nbytes(self) -> int:
         return self._bytes

@@ -30,15 +30,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from mmkv.attention.backend import AttentionBackend
 from mmkv.attention.metadata import CascadeGroup, CrossBatch, PagedBatch
-
-if TYPE_CHECKING:
-    from mmkv.models.base import StepContext
+from mmkv.step_context import AttentionBackend, StepContext
 
 VERSION = "0.7.4"  # the flashinfer-python release these calls are written (and checked) against
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)

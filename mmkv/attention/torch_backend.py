@@ -17,17 +17,12 @@ sequence's KV, up to floating-point rounding.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from mmkv.attention import native
-from mmkv.attention.backend import AttentionBackend
 from mmkv.attention.metadata import CascadeGroup, CrossBatch, DecodePlan, PagedBatch
-
-if TYPE_CHECKING:
-    from mmkv.models.base import StepContext
+from mmkv.step_context import AttentionBackend, StepContext
 
 QUERY_CHUNK = 2048
 SPLIT_QUERIES = 256  # from this many queries on, attending past keys and the diagonal apart pays

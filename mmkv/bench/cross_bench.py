@@ -3,7 +3,7 @@
 The bundled model's scene questions (one image each, as ``bench spec`` serves them) decode
 plainly at each batch size on fresh engines, once with the step's image groups attended in one
 call of the native decode kernel where their pages lie (``attention.metadata.OneCallLimits``
-decides which steps) and once with every group apart (``Engine(one_call_cross=False)``: a page
+decides which steps) and once with every group apart (``CrossApartEngine``: a page
 gather and SDPA per group, the torch path), the two engines taking turns step by step
 (``spec_bench.in_turns``). ``one_call_speedup_b<N>`` is the median over rounds of each round's
 ratio (``spec_bench.paired``); the outputs must be equal.
@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 
 from mmkv.bench.spec_bench import BUNDLED_MODEL, fresh_engine, in_turns, paired, warm_ups, workloads
+from mmkv.bench.variants import CrossApartEngine
+from mmkv.engine import Engine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,9 +35,8 @@ def run(args: argparse.Namespace) -> dict:
         seconds: dict[str, list[float]] = {"one_call": [], "apart": []}
         outputs = {}
         for round_ in range(args.repeats + 1):  # the first round settles the process, uncounted
-            engines = {variant: fresh_engine(BUNDLED_MODEL, warm_up, batch, None,
-                                             one_call_cross=variant == "one_call")
-                       for variant in ("one_call", "apart")}
+            engines = {variant: fresh_engine(BUNDLED_MODEL, warm_up, batch, None, engine_class=kind)
+                       for variant, kind in (("one_call", Engine), ("apart", CrossApartEngine))}
             for variant, (outs, s, _) in in_turns(engines, prompts, batch).items():
                 equal &= outputs.setdefault(variant, outs) == outs
                 if round_:

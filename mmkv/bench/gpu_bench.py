@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 from mmkv import Engine, SamplingParams
 from mmkv.bench import image_qa_bench, prefix_bench, timed
 from mmkv.bench.random_models import save_random_llama
+from mmkv.bench.variants import NoCascadeEngine
 
 HEAD128 = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2,
                max_position_embeddings=8192)
@@ -46,10 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _engine(model_dir: Path, backend: str, block_size: int, **options) -> Engine:
-    return Engine(model_dir, device="cuda", dtype="bfloat16", kv_cache_memory="8GiB",
-                  host_kv_memory="64MiB", block_size=block_size, attention_backend=backend,
-                  max_num_batched_tokens=8192, **options)
+def _engine(model_dir: Path, backend: str, block_size: int, cascade: bool = True) -> Engine:
+    engine_class = Engine if cascade else NoCascadeEngine
+    return engine_class(model_dir, device="cuda", dtype="bfloat16", kv_cache_memory="8GiB",
+                        host_kv_memory="64MiB", block_size=block_size, attention_backend=backend,
+                        max_num_batched_tokens=8192)
 
 
 def decode_seconds(engine: Engine, prompts: list[list[int]], new: int) -> tuple[list[list[int]], float]:

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 from mmkv import Engine, SamplingParams
 from mmkv.bench import llama_cpp_peer, timed
 from mmkv.bench.random_models import BENCH_LLAMA, save_random_llama, text_size
+from mmkv.bench.variants import NoCascadeEngine
 
 
 SWEEP_N = "4,16,64"
@@ -63,10 +64,11 @@ def unique_prefixes(prompts: list[list[int]]) -> int:
     return len({tuple(p[: i + 1]) for p in prompts for i in range(len(p))})
 
 
-def run_mmkv_once(model_dir: Path, prompts, params, args: argparse.Namespace, **options):
+def run_mmkv_once(model_dir: Path, prompts, params, args: argparse.Namespace,
+                  engine_class: type[Engine] = Engine, **options):
     """mmkv's outputs and time on a fresh engine (so a cold cache), and the engine."""
     options = {"dtype": args.dtype, **options}
-    engine = Engine(model_dir, kv_cache_memory="512MiB", host_kv_memory="64MiB",
+    engine = engine_class(model_dir, kv_cache_memory="512MiB", host_kv_memory="64MiB",
                     block_size=args.block_size, device=args.device,
                     attention_backend=args.attention_backend, **options)
     engine.generate([[7, 7, 7]], SamplingParams(max_tokens=2))  # warm-up, shares nothing
@@ -74,12 +76,13 @@ def run_mmkv_once(model_dir: Path, prompts, params, args: argparse.Namespace, **
     return [o.token_ids for o in outs], seconds, engine
 
 
-def run_mmkv(model_dir: Path, prompts, params, args: argparse.Namespace, **options):
+def run_mmkv(model_dir: Path, prompts, params, args: argparse.Namespace,
+             engine_class: type[Engine] = Engine, **options):
     """mmkv's outputs, its best time of ``--repeats`` runs (a fresh engine each time) and the last
     engine."""
     best = None
     for _ in range(args.repeats):  # one engine alive at a time: each holds its KV pool
-        outs, seconds, engine = run_mmkv_once(model_dir, prompts, params, args, **options)
+        outs, seconds, engine = run_mmkv_once(model_dir, prompts, params, args, engine_class, **options)
         if best is None or seconds < best[1]:
             best = outs, seconds
     return best[0], best[1], engine
@@ -117,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
         model_dir = save_random_llama(Path(tmp) / "llama", seed=args.seed,
                                       **text_size(args.hidden_size, args.num_layers))
         ours, mmkv_s, engine = run_mmkv(model_dir, prompts, params, args)
-        no_cascade, no_cascade_s, _ = run_mmkv(model_dir, prompts, params, args, cascade=False)
+        no_cascade, no_cascade_s, _ = run_mmkv(model_dir, prompts, params, args, NoCascadeEngine)
         single, single_s, _ = run_mmkv(model_dir, prompts[:1], params, args,
                                        enable_prefix_caching=False)
         model = AutoModelForCausalLM.from_pretrained(

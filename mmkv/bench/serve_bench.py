@@ -31,7 +31,7 @@ from typing import NamedTuple
 import httpx
 
 from mmkv.bench.random_models import save_random_llama
-from mmkv.engine import BUNDLED_MODEL
+from mmkv.bundled import BUNDLED_MODEL
 from mmkv.synthetic import DOCUMENT_TEMPLATE, random_report, report_questions
 
 EXTRA_QUESTIONS = ("what is the report about?", "name one fact from the report.")

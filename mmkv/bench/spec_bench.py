@@ -27,7 +27,7 @@ each sequence's pending token), what speculation does to the time per output tok
 with a share ``p`` no decoding speedup takes the end-to-end one past ``1 / p``.
 
 With ``--all-accepted`` each method also runs with every draft replaced by the target's own
-greedy token (``Speculator.proposals``; the outputs of a plain run of the same prompts): its
+greedy token (``Speculator.propose_with``; the outputs of a plain run of the same prompts): its
 passes run and are paid for as usual and every draft is accepted, so
 ``all_accepted_<method>_<cell>`` is what a perfect draft with these pass costs would give, the
 controller choosing lengths as usual. With ``--draft-length fixed`` the rounds are the longest,
@@ -49,24 +49,23 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mmkv import Engine, SamplingParams
 from mmkv.bench import gc_paused, timed
-from mmkv.engine import BUNDLED_MODEL, BUNDLED_SPECULATION
+from mmkv.bundled import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL, BUNDLED_SPECULATION
 from mmkv.models import MmkvVLM
 from mmkv.models.base import read_config_json
-from mmkv.speculation import SpeculationStats
 from mmkv.synthetic import document_prompt, random_report, random_scene, scene_prompt
 from speculative import SpeculativeConfig
+from speculative.proposers import SpeculationStats
 
 PARAMS = SamplingParams(max_tokens=48)
 METHODS = ("early_exit", "draft")  # the speculative configs (plain_again: plain beside plain)
 MAX_ROUNDS = 4  # a batch size's counted rounds are at most this x --repeats
 ALL_ACCEPTED = "_all_accepted"  # a method's config with the target's own tokens as its drafts
 PLAIN = "plain"  # the plain engine every config runs beside
-DRAFT_MODEL = BUNDLED_MODEL.parent / "tiny-draft"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL)
-    p.add_argument("--draft", type=Path, default=DRAFT_MODEL)
+    p.add_argument("--draft", type=Path, default=BUNDLED_DRAFT_MODEL)
     p.add_argument("--requests", type=int, default=32, help="per workload, served at batch 8 and 32")
     p.add_argument("--batch1-requests", type=int, default=8, help="per workload, served one at a time")
     p.add_argument("--batches", default="1,8,32", help="batch sizes")
@@ -110,15 +109,16 @@ def warm_ups(seed: int) -> dict[str, list]:
 
 
 def fresh_engine(model: Path, warm_up: list, batch: int, speculative: SpeculativeConfig | None,
-                 own: dict[int, list[int]] | None = None, **options) -> Engine:
+                 own: dict[int, list[int]] | None = None, engine_class: type[Engine] = Engine,
+                 **options) -> Engine:
     """A fresh engine (so a fresh cache and controller) that serves ``batch`` sequences at a time,
     warmed up on a short request of ``warm_up[0]`` (``warm_ups``); ``options``: more of the
     engine's options. With ``own`` (``own_outputs``), its drafts are the target's own tokens."""
-    engine = Engine(model, kv_cache_memory="256MiB", host_kv_memory="16MiB", speculative=speculative,
+    engine = engine_class(model, kv_cache_memory="256MiB", host_kv_memory="16MiB", speculative=speculative,
                     max_num_seqs=batch, **options)
     engine.generate(warm_up[:1], SamplingParams(max_tokens=4))
     if own is not None:
-        engine.speculator.proposals = lambda seq, depth: own[seq.request_id][seq.num_generated + depth]
+        engine.speculator.propose_with(lambda seq, depth: own[seq.request_id][seq.num_generated + depth])
     return engine
 
 

@@ -21,8 +21,8 @@ import argparse
 from dataclasses import fields, replace
 from pathlib import Path
 
-from mmkv.bench.spec_bench import DRAFT_MODEL, PLAIN, fresh_engine, in_turns, paired, warm_ups, workloads
-from mmkv.engine import BUNDLED_MODEL, BUNDLED_SPECULATION
+from mmkv.bench.spec_bench import PLAIN, fresh_engine, in_turns, paired, warm_ups, workloads
+from mmkv.bundled import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL, BUNDLED_SPECULATION
 from speculative import SpeculativeConfig
 from speculative.controller import Settings
 
@@ -32,7 +32,7 @@ LOADS = ("scenes", "summaries")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL)
-    p.add_argument("--draft", type=Path, default=DRAFT_MODEL)
+    p.add_argument("--draft", type=Path, default=BUNDLED_DRAFT_MODEL)
     p.add_argument("--method", choices=METHODS, default="early_exit")
     p.add_argument("--load", choices=LOADS, default="summaries")
     p.add_argument("--batch", type=int, default=8)

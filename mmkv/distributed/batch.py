@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 from mmkv import Engine, SamplingParams
 from mmkv.distributed.affinity import DEFAULT_PREFIX_TOKENS, image_affinity, prefix_affinity
 from mmkv.distributed.stats_board import StatsBoard
-from mmkv.engine import BUNDLED_MODEL
+from mmkv.bundled import BUNDLED_MODEL
 from vision import ImageError
 
 KEY = "affinity"

@@ -23,9 +23,10 @@ from mmkv import SamplingParams
 from mmkv.distributed.router import CacheAwareRouter
 from mmkv.distributed.serve_front import ReplicaInfo, ReplicaSetFront
 from mmkv.distributed.stats_board import StatsBoard
+from mmkv.engine_args import engine_from_args
 from mmkv.server.app import build_app
 from mmkv.server.async_engine import AsyncEngine
-from mmkv.server.launch import engine_from_args, settings_from_args
+from mmkv.server.settings import settings_from_args
 
 HEARTBEAT_S = 0.25
 

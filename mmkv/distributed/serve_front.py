@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from mmkv import RequestOutput, SamplingParams
 from mmkv.distributed.affinity import image_affinity, prefix_affinity
-from mmkv.engine import render_chat
+from mmkv.preparer import render_chat
 from mmkv.server.async_engine import Admission, ChatPrompt, Ticket
 
 STALE_S = 2.0  # a replica silent for this long (8 heartbeats) counts as down

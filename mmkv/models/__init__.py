@@ -8,7 +8,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from mmkv.models.base import (ATTENTION_NAME, ImagePlacement, ModelAdapter, ModelLoadError,
-                              StepContext, read_config_json, resolve_device)
+                              read_config_json, resolve_device)
 from mmkv.models.causal_lm import TEXT_FAMILIES, load_causal_lm
 from mmkv.models.cross_attention import CrossAttentionAdapter, load_mllama
 from mmkv.models.llava import LlavaAdapter, load_llava
@@ -41,4 +41,4 @@ def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype)
 
 __all__ = ["ATTENTION_NAME", "CrossAttentionAdapter", "FAMILIES", "ImagePlacement",
            "LlavaAdapter", "ModelAdapter", "ModelLoadError", "MmkvVLM", "MRopePositions",
-           "QwenVLAdapter", "StepContext", "load_model", "resolve_device"]
+           "QwenVLAdapter", "load_model", "resolve_device"]

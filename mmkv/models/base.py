@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +22,10 @@ import torch
 from transformers import AttentionInterface, AutoConfig, PretrainedConfig
 
 from cache import KVLayout
-from mmkv.attention.backend import AttentionBackend
-from mmkv.attention.metadata import CrossBatch, PagedBatch
 from mmkv.models.fused_layer import FusedDecoderLayer, norm_function, rotation_signs
 from mmkv.models.packed_linear import PackedLinear, make_linear, release
 from mmkv.models.mrope import MRopePositions
+from mmkv.step_context import StepContext
 from vision import PreparedImage, VisionPipeline
 
 ATTENTION_NAME = "mmkv_paged"
@@ -34,27 +33,6 @@ ATTENTION_NAME = "mmkv_paged"
 
 class ModelLoadError(ValueError):
     """The model directory is missing, incomplete, corrupt or of an unsupported family."""
-
-
-@dataclass(slots=True)
-class StepContext:
-    """What one forward step needs besides token ids (passed down as a keyword argument)."""
-
-    batch: PagedBatch
-    kv_layers: list[torch.Tensor]  # per model layer: its storage slot
-    backend: AttentionBackend
-    image_rows: torch.Tensor | None = None  # packed rows whose embedding comes from an image
-    image_embeds: torch.Tensor | None = None
-    cross: CrossBatch | None = None
-    plans: dict = field(default_factory=dict)  # the backend's work prepared once for this step
-    rope_positions: torch.Tensor | None = None  # long [3, T]: M-RoPE (T, H, W) positions
-
-    def next_position(self, batch: PagedBatch) -> "StepContext":
-        """The context of the pass that computes each sequence's next (generated) position:
-        ``batch`` is that pass's metadata; M-RoPE positions advance by one on every axis."""
-        rope = self.rope_positions
-        return StepContext(batch, self.kv_layers, self.backend,
-                           rope_positions=None if rope is None else rope + 1)
 
 
 def _paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 from transformers import AutoImageProcessor, MllamaForConditionalGeneration
 
-from mmkv.models.base import (ATTENTION_NAME, ImagePlacement, ModelAdapter, StepContext,
-                              load_hf_config, resolve_dtype)
+from mmkv.models.base import (ATTENTION_NAME, ImagePlacement, ModelAdapter, load_hf_config,
+                              resolve_dtype)
 from mmkv.models.causal_lm import from_pretrained
 from mmkv.models.fused_layer import FusedMLP, RMSNorm, fused_linear
+from mmkv.step_context import StepContext
 from vision import PreparedImage, ProcessorEncoder, VisionPipeline
 
 ATTENTION = {"text_config": ATTENTION_NAME, "vision_config": "sdpa", "": "sdpa"}

@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from mmkv import native
 from mmkv.models.packed_linear import PackedLinear, PlainLinear, make_linear, release
-
-if TYPE_CHECKING:
-    from mmkv.models.base import StepContext
+from mmkv.step_context import StepContext
 
 SUPPORTED = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
              "MllamaSelfAttentionDecoderLayer", "Qwen2VLDecoderLayer", "Qwen2_5_VLDecoderLayer")

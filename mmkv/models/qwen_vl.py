@@ -24,10 +24,11 @@ import torch
 from transformers import (AutoImageProcessor, Qwen2_5_VLForConditionalGeneration,
                           Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration)
 
-from mmkv.models.base import (ATTENTION_NAME, ImagePlacement, ModelAdapter, StepContext,
-                              load_hf_config, resolve_dtype)
+from mmkv.models.base import (ATTENTION_NAME, ImagePlacement, ModelAdapter, load_hf_config,
+                              resolve_dtype)
 from mmkv.models.causal_lm import from_pretrained
 from mmkv.models.mrope import MRopePositions
+from mmkv.step_context import StepContext
 from vision import PreparedImage, ProcessorEncoder, VisionPipeline
 
 QWEN_VL_FAMILIES = {"qwen2_vl": Qwen2VLForConditionalGeneration,

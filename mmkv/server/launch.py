@@ -15,38 +15,20 @@ from pathlib import Path
 
 import uvicorn
 
-from mmkv import Engine
-from mmkv.engine import BUNDLED_MODEL, BUNDLED_SPECULATION
+from mmkv.engine import Engine
+from mmkv.engine_args import add_engine_arguments, engine_from_args
 from mmkv.server.app import build_app
 from mmkv.server.async_engine import AsyncEngine
-from mmkv.server.media import MediaPolicy
-from mmkv.server.settings import ServerSettings
-from speculative import SpeculativeConfig
+from mmkv.server.settings import ServerSettings, settings_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", type=Path, default=BUNDLED_MODEL,
-                   help="model directory (Hugging Face layout); default: the bundled tiny VLM")
+    add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("MMKV_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route (default: $MMKV_API_KEY)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the directory name)")
-    engine = p.add_argument_group("engine")
-    engine.add_argument("--kv-cache-memory", default="1GiB")
-    engine.add_argument("--host-kv-memory", default="1GiB")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--max-model-len", type=int)
-    engine.add_argument("--device", default="auto")
-    engine.add_argument("--dtype", default="auto")
-    engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument("--eviction-policy", default="lru", choices=("lru", "fifo", "cost"))
-    engine.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"))
-    engine.add_argument("--speculative", choices=("early_exit", "draft_model"))
-    engine.add_argument("--draft-model", type=Path)
-    engine.add_argument("--num-speculative-tokens", type=int)
     limits = p.add_argument_group("limits and media")
     limits.add_argument("--max-waiting", type=int, default=256,
                         help="requests admitted beyond --max-num-seqs; more get 503 + Retry-After")
@@ -72,32 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="... and by this factor")
     p.add_argument("--shutdown-timeout", type=float, default=5.0)
     p.add_argument("--log-level", default="warning")
-
-
-def engine_from_args(args: argparse.Namespace) -> Engine:
-    speculative = None
-    if args.speculative is not None:
-        options = dict(BUNDLED_SPECULATION) if args.model == BUNDLED_MODEL else {}
-        if args.num_speculative_tokens is not None:
-            options["num_tokens"] = args.num_speculative_tokens
-        speculative = SpeculativeConfig(method=args.speculative, draft_model=args.draft_model, **options)
-    return Engine(args.model, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                  device=args.device, dtype=args.dtype, host_kv_memory=args.host_kv_memory,
-                  max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
-                  eviction_policy=args.eviction_policy, preemption=args.preemption,
-                  speculative=speculative)
-
-
-def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    media = MediaPolicy(allowed_local_path=args.allowed_local_media_path,
-                        allowed_domains=frozenset(d.lower() for d in args.allowed_media_domains),
-                        max_bytes=args.max_image_bytes, max_pixels=args.max_image_pixels,
-                        timeout=args.media_timeout)
-    return ServerSettings(served_model_name=args.served_model_name or Path(args.model).name,
-                          api_key=args.api_key or None, max_waiting=args.max_waiting,
-                          max_body_bytes=args.max_body_bytes,
-                          max_images_per_request=args.max_images_per_request, media=media)
 
 
 class Server(uvicorn.Server):

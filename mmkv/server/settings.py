@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mmkv.server.media import MediaPolicy
 
@@ -19,3 +21,15 @@ class ServerSettings:
     max_images_per_request: int = 8
     retry_after_seconds: int = 1
     media: MediaPolicy = field(default_factory=MediaPolicy)
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """The settings ``mmkv serve``'s flags describe."""
+    media = MediaPolicy(allowed_local_path=args.allowed_local_media_path,
+                        allowed_domains=frozenset(d.lower() for d in args.allowed_media_domains),
+                        max_bytes=args.max_image_bytes, max_pixels=args.max_image_pixels,
+                        timeout=args.media_timeout)
+    return ServerSettings(served_model_name=args.served_model_name or Path(args.model).name,
+                          api_key=args.api_key or None, max_waiting=args.max_waiting,
+                          max_body_bytes=args.max_body_bytes,
+                          max_images_per_request=args.max_images_per_request, media=media)

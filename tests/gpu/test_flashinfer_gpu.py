@@ -23,7 +23,8 @@ from mmkv import Engine, SamplingParams  # noqa: E402
 from mmkv.attention.flashinfer_backend import FlashInferBackend, check_supported  # noqa: E402
 from mmkv.attention.metadata import CrossSequence, plan_batch, plan_cross  # noqa: E402
 from mmkv.attention.torch_backend import TorchBackend, attention, cross_attention, write_kv  # noqa: E402
-from mmkv.models import MmkvVLM, StepContext  # noqa: E402
+from mmkv.models import MmkvVLM  # noqa: E402
+from mmkv.step_context import StepContext  # noqa: E402
 from speculative import SpeculativeConfig  # noqa: E402
 from tiny_models import LEARNING, build_model, load_hf  # noqa: E402
 from tiny_vlms import IMAGE_TOKEN, build_mmkv_vlm, mmkv_vlm_logits, picture  # noqa: E402

@@ -1,30 +1,24 @@
-"""Speculative decoding in the engine: a draft proposes, the target verifies in one pass.
+"""Proposers: the drafts of speculative decoding, run by the engine's model runner.
 
-Before each step ``Speculator.plan`` asks the controller (``speculative.controller``) for every
-decoding sequence's draft length ``gamma``, 0 included; when all are 0 the step decodes plainly.
-A round for a batch of decoding sequences (those with ``gamma`` 0 join verification with their
-pending token; with early exit they also run draft pass 0, whose hidden states verification
+Before each step the scheduler asks ``Speculator.plan`` (the controller, ``speculative.controller``)
+for every decoding sequence's draft length ``gamma``, 0 included; when all are 0 the step decodes
+plainly. A round for a batch of decoding sequences (those with ``gamma`` 0 join verification with
+their pending token; with early exit they also run draft pass 0, whose hidden states verification
 continues from):
 
 1. ``gamma + 1`` draft passes, one position at a time (the pending token, then each draft), write
    the draft's K/V into the sequence's own blocks and propose the next token; the last pass only
    completes the last draft's K/V.
 2. One target pass over all ``gamma + 1`` positions yields the target's logits for each of them.
-3. ``speculative.verify_*`` accepts a prefix of the drafts and adds one target token. The caller
-   truncates the table to the accepted positions, so rejected K/V is never read and never enters
-   the radix tree.
+3. ``speculative.verification`` accepts a prefix of the drafts and adds one target token. The
+   engine truncates the table to the accepted positions, so rejected K/V is never read and never
+   enters the radix tree.
 
 Every draft pass, verification pass and plain decoding pass is timed and told to the controller
-with its rows, sequences and context, a verification pass up to the end of the engine's work on
-its verdicts, as a plain pass is timed through the same work (about 0.5 ms of a 7 ms batch-8
-round, left out before); except a pass in which a packed layer built a kernel (it took
-far longer than the next of its shape will), and every round's proposals and acceptances.
-
-``Speculator.proposals``, when set, replaces the draft's tokens with given ones while every pass
-still runs: ``bench spec --all-accepted`` has it propose the target's own greedy tokens, so
-every draft is accepted and the speedup measured is what a perfect draft with these pass costs
-would give (greedy sequences only: verifying a sampled sequence needs tokens drawn from the
-draft's distribution).
+with its rows, sequences and context: a verification pass up to the end of the engine's work on
+its verdicts (``round_applied``), as a plain pass is timed through the same work; a pass in which
+a packed layer built a kernel for a new row count is not told (it takes far longer than the next
+of its shape).
 
 Two drafts:
 
@@ -38,6 +32,9 @@ Two drafts:
   it skipped in one catch-up pass when its sequence next drafts; the cache counts, per block, the
   leading slots whose draft K/V is current (``KVCache.draft_slots``), so a prefix-cache hit serves
   the draft as far as those reach and no further.
+
+Invariant: every verdict is what the target alone would produce (greedy: the same tokens;
+sampling: the same distribution), whatever the draft proposed.
 """
 
 from __future__ import annotations
@@ -45,22 +42,27 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from cache import KVCache
 from mmkv.attention.metadata import next_position
 from mmkv.host_arrays import longs
-from mmkv.models import ModelAdapter, StepContext
 from mmkv.models.packed_linear import kernel_builds
 from mmkv.sampler import filtered_probs, top_tokens
-from mmkv.sequence import Sequence
-from speculative import (DraftHistory, DraftLengthController, SpeculativeConfig, Verdict,
-                         greedy_verdict, verify_sampling)
-from speculative.controller import EARLY_EXIT_EXPLORE_LENGTH, EXPLORE_LENGTH
+from mmkv.step_context import StepContext
+from speculative.acceptance import DraftHistory
+from speculative.config import SpeculativeConfig
+from speculative.controller import EARLY_EXIT_EXPLORE_LENGTH, EXPLORE_LENGTH, DraftLengthController
+from speculative.verification import Verdict, greedy_verdict, verify_sampling
 
-ContextFn = Callable[..., StepContext]  # (seqs, q_lens, kv_lens, images=True): the engine's step context
+if TYPE_CHECKING:
+    from mmkv.models import ModelAdapter
+    from mmkv.sequence import Sequence
+
+ContextFn = Callable[..., StepContext]  # (seqs, q_lens, kv_lens, images=True): the runner's step context
+Proposal = Callable[["Sequence", int], int]  # (sequence, draft pass) -> the token to propose
 
 
 @dataclass(slots=True)
@@ -97,8 +99,7 @@ class Speculator(ABC):
                                                 self.explore_sequences, self.explore_length,
                                                 config.settings)
         self._previous: tuple[tuple[int, ...], StepContext] | None = None  # the last draft pass
-        # A measurement's stand-in for the draft's tokens: (sequence, pass) -> the token to propose
-        self.proposals: Callable[[Sequence, int], int] | None = None
+        self._proposal: Proposal | None = None  # ``propose_with``'s stand-in for the draft's tokens
         self._verification: tuple[int, int, tuple[float, int], int] | None = None  # to time
 
     def keep_costs_only(self) -> None:
@@ -106,9 +107,17 @@ class Speculator(ABC):
         calibration): a fresh controller on the same settings with the old one's cost fits."""
         old = self.controller
         self.controller = DraftLengthController(old.positions, old.fixed, old.clock, old.explore_sequences,
-                                                old.explore_length, old.settings)
-        self.controller.costs = old.costs
-        self.stats, self.proposals, self._previous = SpeculationStats(), None, None
+                                                old.explore_length, old.settings, old.costs)
+        self.stats, self._proposal, self._previous = SpeculationStats(), None, None
+
+    def propose_with(self, proposal: Proposal | None) -> None:
+        """Measure with given drafts: every draft token is ``proposal(seq, draft_pass)`` instead of
+        the draft's, while every pass still runs and is paid for (``None``: the draft's own again).
+        The engine's calibration proposes a fixed token, so every scripted pass runs;
+        ``bench spec --all-accepted`` proposes the target's own greedy tokens, so every draft is
+        accepted (greedy sequences only: verifying a sampled sequence needs tokens drawn from
+        the draft's distribution)."""
+        self._proposal = proposal
 
     def follow(self, input_ids: torch.Tensor, step: StepContext, seqs: list[Sequence],
                q_lens: list[int]) -> None:
@@ -129,12 +138,11 @@ class Speculator(ABC):
         """Each sequence's draft length for the next round (the controller's choice; all 0:
         decode plainly), at most ``num_tokens`` and one less than the tokens it may still
         generate (its ``max_tokens``, and ``max_model_len`` positions in all). What it may still
-        generate is read only for a step that does not keep a held plain decision (at batch 32
-        reading it was three fifths of such a step's planning: 32 us against 13 us)."""
+        generate is read only for a step that does not keep a held plain decision."""
         known: list[list[int]] = []
 
         def left() -> list[int]:
-            if not known:  # (a functools.cache wrapper cost more to make than this to read twice)
+            if not known:
                 known.append([min(s.params.max_tokens - s.num_generated, max_model_len - len(s.token_ids))
                               for s in seqs])
             return known[0]
@@ -199,8 +207,8 @@ class Speculator(ABC):
             logits = self._draft_pass([seqs[b] for b in live], [inputs[b] for b in live],
                                       [lens[b] + i for b in live], drafting, live)
             drafted = _draft([seqs[live[r]] for r in drafting], logits, threshold is not None)
-            if self.proposals is not None:  # the pass ran and is paid for; its tokens are replaced
-                drafted = [(self.proposals(seqs[live[r]], i), probs, 1.0)
+            if self._proposal is not None:  # the pass ran and is paid for; its tokens are replaced
+                drafted = [(self._proposal(seqs[live[r]], i), probs, 1.0)
                            for r, (_, probs, _) in zip(drafting, drafted)]
             for r, (token, probs, confidence) in zip(drafting, drafted):
                 b = live[r]
@@ -395,7 +403,7 @@ class DraftModelSpeculator(Speculator):
         only its K/V is wanted)."""
         if rows is None:
             rows = torch.zeros(0, dtype=torch.long, device=ids.device)
-        return self.draft.forward(ids, StepContext(step.batch, self.draft_layers, step.backend), rows)
+        return self.draft.forward(ids, step.with_layers(self.draft_layers), rows)
 
     def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
         step = self._draft_context(seqs, kv_lens, live, images=False)  # the draft reads text only
@@ -415,8 +423,7 @@ def _draft(seqs: list[Sequence], logits: torch.Tensor,
     """Each row's drafted token, the distribution it was drawn from (verification needs it for
     sampled sequences only) and, if ``need_confidence``, that distribution's top probability.
     The greedy rows are drafted together: one ``top_tokens`` call over them gives both the tokens
-    and their probabilities (per row, the host round trips cost ~25 us a row, a third of an
-    early-exit draft pass at batch 32)."""
+    and their probabilities."""
     out: list[tuple[int, torch.Tensor | None, float | None]] = [(0, None, None)] * len(seqs)
     greedy = [row for row, s in enumerate(seqs) if s.params.greedy]
     if greedy:
