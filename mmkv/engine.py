@@ -154,7 +154,7 @@ class Engine:
         self._step_seconds["step_seconds_decode" if decoding else "step_seconds_prefill"] += (
             time.perf_counter() - start)
         if self.debug:
-            self.kv.check_integrity()
+            self.check_integrity()
         return outputs
 
     def abort(self, request_id: int) -> bool:
@@ -164,9 +164,11 @@ class Engine:
         return self.postprocessor.abort(request_id)
 
     def check_integrity(self) -> None:
-        """Prove the block accounting (device pool, radix tree, host tier), and that an engine
-        with no unfinished request holds no block and no request."""
+        """Prove the block accounting (device pool, radix tree, host tier), that every sequence
+        holds exactly the slots of its computed tokens, and that an engine with no unfinished
+        request holds no block and no request."""
         self.kv.check_integrity()
+        self.scheduler.check_integrity()
         if not self.has_unfinished():
             assert self.kv.pool.num_in_use == 0, f"idle engine holds {self.kv.pool.num_in_use} blocks"
             assert not self.requests, f"idle engine tracks requests {self.requests.ids()}"

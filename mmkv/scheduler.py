@@ -373,6 +373,24 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
 
+    def check_integrity(self) -> None:
+        """Between steps: a running sequence's table holds exactly its computed tokens (no slot of
+        a rejected draft, no chunk reserved and not run) in as many blocks as they fill; a waiting
+        sequence holds no table; a swapped one only its table in the host tier."""
+        bs = self.kv.block_size
+        for seq in self.running:
+            table = seq.table
+            assert table is not None and table.num_tokens == seq.num_computed, (
+                f"sequence {seq.seq_id} computed {seq.num_computed} tokens, its table holds "
+                f"{None if table is None else table.num_tokens}")
+            assert len(table.blocks) == -(-table.num_tokens // bs), \
+                f"sequence {seq.seq_id} holds {len(table.blocks)} blocks for {table.num_tokens} tokens"
+        for seq in self.waiting:
+            assert seq.table is None and seq.swapped is None, f"waiting sequence {seq.seq_id} holds KV"
+        for seq in self.swapped:
+            assert seq.table is None and seq.swapped is not None, \
+                f"swapped sequence {seq.seq_id} holds device blocks"
+
     # -- preemption -----------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
         self._release_images(seq)  # they stay cached; resuming takes them again

@@ -4,6 +4,7 @@ import itertools
 import json
 import pickle
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -33,6 +34,17 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(model_dirs):
     different = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0.9, seed=99,
                                                       ignore_eos=True))[0].token_ids
     assert different != alone
+
+
+def test_a_seeded_requests_sample_i_draws_as_seed_plus_i_alone(model_dirs):
+    """Samples forked at the first token each draw with their own generator: sample ``i`` of a
+    request seeded ``s`` is what a one-sample request seeded ``s + i`` draws."""
+    eng = engine(model_dirs)
+    [prompt] = prompts(16, [10])
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True)
+    together = [o.token_ids for o in eng.generate([prompt], replace(sampled, n=3))[0].outputs]
+    alone = [eng.generate([prompt], replace(sampled, seed=5 + i))[0].token_ids for i in range(3)]
+    assert together == alone and len({tuple(t) for t in alone}) == 3
 
 
 def test_step_seconds_split_prompt_steps_from_decoding_steps(model_dirs, monkeypatch):

@@ -60,6 +60,18 @@ def test_shared_prefix_is_served_from_cache(model_dirs, hf_oracle, family):
     assert_matches_oracle([first, *later], [doc + q for q in questions], family, hf_oracle)
 
 
+def test_a_prompt_served_again_whole_computes_its_last_token(model_dirs, hf_oracle):
+    """Every block of a repeated 24-token prompt is cached, but its last token is computed again:
+    its logits choose the first generated token."""
+    eng = engine(model_dirs)
+    [prompt] = prompts(6, [24])
+    first = eng.generate([prompt], GREEDY)[0]
+    computed = eng.stats()["computed_prefill_tokens"]
+    again = eng.generate([prompt], GREEDY)[0]
+    assert again.cached_tokens == 23 and eng.stats()["computed_prefill_tokens"] == computed + 1
+    assert_matches_oracle([first, again], [prompt, prompt], "llama", hf_oracle)
+
+
 def test_prompts_submitted_together_compute_their_shared_prefix_once(model_dirs, hf_oracle):
     eng = engine(model_dirs)
     [doc] = prompts(4, [41])
