@@ -11,7 +11,7 @@ Writes ``<out>/tiny-vlm`` (mmkv_vlm: open_clip ViT with one 32-pixel patch per g
 time, final losses, held-out accuracy). Deterministic from ``--seed``: data, initialisation and
 batch order.
 
-What makes it learn in the budget (each found by a run that failed without it):
+What makes it learn in the budget, and why (what each measured: docs/bundled-model.md):
 
 * Each image patch is tagged with the text model's own embeddings of its cell's name ("top left"),
   scaled to the size of the patch features (``patch_name_ids`` in the config). With untagged or
@@ -26,17 +26,13 @@ What makes it learn in the budget (each found by a run that failed without it):
   plain copy-what-followed-this-token-before pattern. With the value a few words after its field
   ("the population of kalomer is 452,031") the model copied all but the value's first token.
 * No loss on the values where the report states them (``value_spans``): nothing can predict them
-  there, and learning to guess them taught a prior that beat copying for the mayor's surname (the
-  model wrote one surname per first name, whatever the report said; mayor 0.18 and summaries 0.06
-  with that loss, 1.0 and 1.0 without, same steps).
-* The draft gets the same short-reports-first curriculum and 6000 steps. After 800 steps on
-  full-length reports it had not learned to copy (loss 0.69; the target accepted 0.32 of its
-  summary drafts, and speculation with it ran summaries at 0.92x of plain decoding); with both,
-  loss 0.31 and 0.85.
+  there, and learning to guess them teaches a prior that beats copying for the mayor's surname (the
+  model writes one surname per first name, whatever the report says).
+* The draft gets the same short-reports-first curriculum and 6000 steps: trained briefly on
+  full-length reports it does not learn to copy from a report, and the target rejects most of its summary drafts.
 * Near-miss presence questions (``near_miss_questions``): a shape of the scene as it is, with
-  another colour, and as another kind. The commonest scene error was "yes" for a shape of the
-  asked kind in another colour; presence is still the weakest question (0.71 held out), so this
-  one is a help, not a fix.
+  another colour, and as another kind, so that "yes" for a shape of the asked kind in another
+  colour is wrong in training too.
 """
 
 from __future__ import annotations
@@ -182,7 +178,7 @@ def scene_pairs(seed: int, n: int) -> list:
 def near_miss_questions(scene, rng: random.Random) -> list[QA]:
     """Presence questions about one of the scene's shapes as it is, with another colour and as
     another kind: the answers hinge on colour and kind together, which a model that checks only one
-    of them gets wrong (the commonest scene error before these were added)."""
+    of them gets wrong."""
     shape = rng.choice(scene.shapes)
     colour = rng.choice([c for c in COLOURS if c != shape.colour])
     kind = rng.choice([k for k in SHAPES if k != shape.kind])

@@ -3,9 +3,8 @@
 A decoding step reads every weight once for a few rows of activations, so it is bound by memory
 bandwidth and a last core adds less to it than to a prefill GEMM; and when something else wants a
 core (the server's HTTP front, clients on the same machine, other processes), an OpenMP team that
-spans every core waits at each barrier for whichever member the OS scheduled out. On the 2-core
-development machine, `bench serve`'s decoding steps at 16 sequences take 10 ms on 2 threads with
-the machine to themselves, 22 ms on 2 threads beside the benchmark's client, and 16 ms on 1.
+spans every core waits at each barrier for whichever member the OS scheduled out, and one fewer
+thread can then be faster.
 
 So a decoding step runs on every core (``wide``) or on one fewer (``narrow``), whichever measures
 faster: the count in use is ``chosen``; every ``explore_every``-th decoding step that follows one
@@ -16,16 +15,12 @@ after. When the estimate, resting on at least ``settle_after`` samples, says the
 faster by more than ``margin``, it becomes ``chosen``. Steps with prompt tokens always take every
 core: their GEMMs are compute-bound.
 
-Why not one sample: a sample compares two single steps. On a quiet 2-core AMD EPYC (AVX2), where
-one thread decodes the bundled model's batch-8 summaries 10-12 % slower, lone plain engines that
-switched on their first sample did so in 4 of 30 runs (and in 2 of 16 in another set), and stayed
-there: once settled, at 64 steps between samples, switching back took most of the run. Resting
-on two samples, 2 of 30 (1 of 32), with the runs' times alike (median 0.72 s against 0.74 s,
-engines alternating).
+Why not one sample: a sample compares two single steps, and once settled the samples come only
+every ``settle_every`` steps, so a switch made on one noisy sample would hold for most of a run.
 
 Invariant: the thread count changes only between steps, and is every core again whenever the
 engine has nothing left to run; results differ between counts only by floating-point summation
-order.
+order. What these rules measured: docs/attention-and-kernels.md (Decode threads on the CPU).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Host lists of integers as tensors, for the metadata and token ids every step builds.
 
-On the CPU ``torch.tensor`` costs about 10 us a call however short the list (and about 0.07 us
-an element); ``np.array`` and ``torch.from_numpy`` cost about 3.7 us (and 0.02 us an element).
-A decode step builds a dozen short arrays, so the difference is a few per cent of a batch-1 step
-of the bundled model.
+They are built through numpy (``np.array``, then ``torch.from_numpy``, which shares its memory):
+on the CPU ``torch.tensor`` costs more a call however short the list, and a decode step builds a
+dozen short arrays. The figures: docs/attention-and-kernels.md (Host-side step work).
 """
 
 from __future__ import annotations

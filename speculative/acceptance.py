@@ -11,9 +11,9 @@ Each is a decayed count of hits over trials (a round's outcomes weigh ``1``, the
 ``SHRINK`` trials. The engine-wide rate of position ``j`` is shrunk toward that of position
 ``j - 1`` (the first toward 1) with the weight of ``PRIOR`` trials: a first draft is tried, and a
 position no round has reached is expected to go as the deepest one reached. (Shrunk toward 1
-instead, every untried position promised a proposal and an acceptance: on the bundled model's
-summaries rounds of 22 drafts were priced at 30-65 tokens and yielded 5-7.) Positions a round did
-not reach are not observed: a rate is conditional on reaching its position.
+instead, every untried position would promise a proposal and an acceptance, and long rounds would
+be priced far above what they yield.) Positions a round did not reach are not observed: a rate is
+conditional on reaching its position.
 
 Invariant: every rate is in ``[0, 1]``; an observation changes only its sequence's counts and the
 engine-wide ones.
@@ -116,8 +116,7 @@ class AcceptanceModel:
         (``engine_rates()``; a sequence with no round of its own has the engine's). Those not
         derived at this ``version`` are derived in one pass over them and kept with their
         history: no rate moves between two observations, so steps priced while the batch
-        decodes plainly read them all from there (deriving a batch of 32 took half of such a
-        step's planning; per sequence and position, after every round, three quarters)."""
+        decodes plainly read them all from there instead of deriving them again."""
         version = self.version
         stale = [h for h in histories if h.shrunk is None or h.shrunk[0] != version]
         if stale:

@@ -1,207 +1,57 @@
 """Each sequence's draft length for the next round, 0 included, from measured costs and acceptance.
 
-The model. A step decodes ``B`` sequences (context lengths ``n_b``). Decoding them plainly yields
-``B`` tokens in one pass costing ``T_plain(B)``. A speculative round in which sequence ``b`` may
-draft up to ``g_b`` tokens runs draft passes ``i = 0, 1, ...`` (pass 0 reads every pending token;
-pass ``i`` carries every sequence that proposed its ``i``-th draft) and one verification pass over
-each sequence's pending token and proposals. With the sequence's smoothed per-position rates
-(``speculative.acceptance``: ``c_j`` it proposes the ``j``-th draft, ``a_j`` the target accepts it)
+The model. Plainly, ``B`` sequences yield ``B`` tokens in one pass costing ``T_plain(B)``. A round
+in which sequence ``b`` may draft up to ``g_b`` tokens runs draft passes ``i = 0, 1, ...`` and one
+verification pass. With its smoothed rates (``speculative.acceptance``: ``c_j`` it proposes the
+``j``-th draft, ``a_j`` the target accepts it) and ``speculative.lengths``' survival:
 
     D_bj = c_b1 ... c_bj      (it proposes a j-th draft)
     A_bj = a_b1 ... a_bj      (the first j proposals are all accepted, given proposed)
-    S_bj                      (its output runs at least j tokens past its next one: the share of
-                               recent outputs that ran that far, ``speculative.lengths``; 0
-                               past its token limit)
+    S_bj                      (its output runs j tokens past its next one; 0 past its limit)
     tokens      = sum_b (1 + sum_{j <= g_b} D_bj A_bj S_bj)
     draft pass i, i >= 1:   rows_i = sum_{b: g_b >= i} D_bi S_b(i-1), run with probability
                             1 - prod (1 - D_bi S_b(i-1))
     verification rows       = sum_b (1 + sum_{j <= g_b} D_bj S_b(j-1))
 
-and the cost of each pass from ``speculative.costs`` (a fixed part and parts per row, per
-sequence and per context token, fitted online: plain decoding and verification share one fit,
-the first and later draft passes another, verification and the first draft pass paying an extra
-fixed part; a draft model's catch-up passes have their own). The round's goodput is expected
-tokens per expected second; plain decoding's is ``B / T_plain(B)``.
+each pass priced by ``speculative.costs``. Goodput is expected tokens per expected second; plain
+decoding's is ``B / T_plain(B)``. No draft is proposed past an end-of-sequence token.
 
-(No draft is proposed past an end-of-sequence token, and no token follows one: a summary two
-tokens from its end gets two tokens from a round of eight drafts.)
+The choice. At goodput ``R`` a ``j``-th draft pays while ``A_bj S_bj >= R (m_draft + m_verify)``
+(its row's seconds in draft pass ``j`` and in verification): sequence ``b``'s horizon ``h_b``.
+Every length ``L`` up to the longest horizon (caps ``min(L, h_b)``) is priced with the passes'
+fixed costs; ``R`` starts at plain decoding's goodput and is raised once to the best round's
+(Dinkelbach). The best round is taken if it promises ``ROUND_MARGIN`` x plain decoding's goodput
+(``STAY_MARGIN`` x while at least ``STAYING`` of recent steps ran rounds and the batch's size
+class, 1, 2-3, 4-7, ..., is no larger than the last drafting step's); otherwise every sequence
+drafts 0. Once rounds are observed, a priced round drafts for at most ``WIDTH_GROWTH`` x the
+sequence-rounds the rates rest on, those with the most net tokens.
 
-The choice. A ``j``-th draft of sequence ``b`` adds ``D_bj A_bj S_bj`` expected tokens for at most
-``D_bj (m_draft + m_verify)`` seconds (one more sequence in draft pass ``j``, one more row of a
-sequence already in verification), so at a goodput ``R`` it pays while
-``A_bj S_bj >= R (m_draft + m_verify)``: that gives each sequence its horizon
-``h_b``. A round of length ``L`` gives sequence ``b`` the cap ``min(L, h_b)``; every ``L`` from 1 to
-the longest horizon is priced with the passes' fixed costs, so a round stops before the longest
-horizon when its last passes carry too few rows to pay for themselves. ``R`` starts at plain
-decoding's goodput and is raised to the best round's once (Dinkelbach's iteration). The best round
-is taken if it beats plain decoding by the margin (below), otherwise every sequence drafts 0 and
-the step decodes plainly; as a batch shrinks, rows cost less than a pass's fixed part and
-speculation returns.
+Exploring. Until ``EXPLORE`` verification passes are timed and ``EXPLORE`` sequence-rounds
+observed, the first ``explore_sequences`` sequences (default: all) draft up to ``explore_length``
+(``EXPLORE_LENGTH``; early exit ``EARLY_EXIT_EXPLORE_LENGTH``). With plain and verification costs
+known (``CALIBRATE``: the engine times scripted steps before its first request, and the controller
+keeps only those fits) such a step is first priced with every draft accepted and decodes plainly if
+even that does not pay. Nothing is priced before a plain pass is timed: verification passes alone
+cannot tell their extra fixed cost from plain decoding's.
 
-Catch-up. A draft model that is behind on a sequence (its prompt left to a catch-up pass, or
-plain steps since its last round) must first fill in those positions. A round with any such
-sequence pays a catch-up pass's fixed cost, and each sequence's catch-up rows are charged whole to
-the round: it drafts only where its expected tokens in this round, net of their rows' cost at the
-goodput ``R``, cover them. (Charged spread over the rounds a sequence was expected to have left,
-the first priced round at batch 32 caught up every summary at once, about 25 ms of catch-up for
-rounds whose later shares were never taken; charged whole, engines taking turns over 12 rounds:
-the draft model's summaries at batch 8 0.957x -> 0.973x of plain decoding, at batch 32 0.942x ->
-0.956x, scenes at batch 8 0.969x -> 0.976x, batch 1 within noise.) ``drafting_lately`` (the
-smoothed share of recent steps that ran a round, from 0) tells a draft model whether to follow
-prompts at prefill or leave them to catch-up.
+Catch-up. A round in which a draft model must fill in skipped positions pays a catch-up pass's
+fixed cost, and each sequence's catch-up rows are charged whole to it: such a sequence drafts only
+where its expected tokens, net of their rows' cost at ``R``, cover them, and at most
+``FRONTIER_GROWTH`` x as deep as any round has reached. ``drafting_lately`` (``rounds_share`` at
+least ``PREFILL_DRAFT_SHARE``) tells a draft model whether to follow prompts at prefill.
 
-Until it has timed ``EXPLORE`` verification passes and seen ``EXPLORE`` sequences' rounds (its
-acceptance rates rest on no fewer) the controller explores: it drafts up to
-``explore_length`` tokens a sequence (``EXPLORE_LENGTH`` unless the speculator asks for more; a
-position not yet tried is expected to go as the deepest one tried, so longer drafts are tried where
-acceptance is high). Early exit explores ``EARLY_EXIT_EXPLORE_LENGTH`` deep: every sequence runs
-its first draft pass anyway and a deeper one costs a pass's fixed work, while two positions said
-nothing of where drafts stop on confidence. (At batch 32 the summaries' first priced round, after
-two positions accepted 86 % of the time, gave every sequence 24 drafts; they stopped after one or
-two, and a round of 24 thin passes took 2-3 plain steps' time for 1.3-1.5 tokens a sequence.
-Exploring four deep: paired over six rounds, summaries at batch 32 1.05-1.08x and scenes at batch 8
-1.04-1.09x of exploring two, the other early-exit cells within noise; a draft model exploring four
-deep caught up more at batch 32 and lost a tenth there.) Then, before it has timed a plain pass, it
-decodes plainly: verification passes alone cannot tell their extra fixed cost from the intercept
-they share with plain decoding (every one pays both), so the fit split the fixed cost between the
-two and priced plain decoding at about half its fixed cost. Fresh engines at batch 8 chose plain
-decoding at their first priced step, expecting 2.2-2.6 tokens a millisecond from plain steps that
-then gave 1.1-1.4. A sequence that a draft model must first catch up drafts at most
-``FRONTIER_GROWTH`` times as deep as any round has reached (``AcceptanceModel.reached``, at least
-``explore_length``): its catch-up is paid for by the positions it is to draft, and depths no round
-has seen are no evidence. (After the bench's warm-up request had run one round of 2 drafts, every
-deeper position read as sure, and the first priced round at batch 8 caught up four reports to draft
-24 for every sequence, priced at 25 tokens each; it yielded 2 to 17.) An over-long cap costs little
-otherwise: a round's draft passes stop where its drafts do, and capping early exit's first rounds
-the same way cost the batch-8 scenes a tenth of their speedup. With ``explore_sequences`` set it
-explores with that many sequences only (a draft model must first fill in the K/V of every sequence
-it drafts for; one sequence teaches the pass costs just as well, and a round priced from its
-rates alone must still pay for every catch-up it runs: exploring with one sequence instead of
-four, engines taking turns over 8 rounds, the draft model ran 1.02-1.05x faster at batches 8 and
-32 and alike at batch 1). Plain
-decoding's cost comes from the same fit as verification's (``speculative.costs``), so the exploring
-rounds time it too and every round keeps it current.
+Holding. A priced plain decision is kept unplanned while no sequence joins and the batch stays in
+its size class or a larger one: 1 step, doubling per repeat in that class up to ``HOLD_MAX``, or
+``HOLD_MAX`` at once when the best it priced fell short of the margin by more than ``HOLD_GAP`` of
+it. A priced round's lengths (clipped to the limits) are kept while no sequence joins: 1 round,
+doubling while pricing picks the same sequences, up to ``ROUND_HOLD_MAX``, and only while the rates
+rest on ``ROUND_HOLD_EVIDENCE`` x the observations a round adds.
 
-Calibration. With ``calibrate`` (on by default, below) the engine times its passes before its
-first request (``Engine``: made-up prompts decoded at batch sizes 1, 8 and 32, every step's length
-given by ``script``) and the controller keeps those cost fits, forgetting everything else. An
-engine that knows its passes' costs explores only where a draft that is always right would pay:
-each exploring round is first priced as if every draft were proposed and accepted (``sure``), and
-where not even that round beats plain decoding by the margin the step decodes plainly, a priced
-plain decision held ``HOLD_MAX`` steps (Holding, below); a round that does explore is not held as a
-priced one. So a batch too large for rounds to pay never runs the exploring round whose catch-up
-and thin passes it would only lose to (the draft model's summaries at batches 8 and 32 drafted 2-4
-tokens a run, 24 without calibration), and a fresh engine needs no plain step before it prices.
-Paired with engines that learn their costs from their first rounds (``bench spec-compare``, 6
-rounds, every cell): early exit's summaries at batch 8 1.05x, the draft model's summaries at 8 and
-32 1.01-1.02x, but the draft model's scenes at batch 1 0.82x and at 32 0.95x, early exit's
-summaries at 32 and scenes at 8 0.98x, the rest within 1 %. Most likely: a draft model's first
-round on a sequence must catch up its prompt, charged whole to that round (Catch-up, above): with
-the catch-up's cost known from the start no round pays for it, the sequence decodes plainly and its
-draft falls further behind, where an engine still learning its costs has an empty catch-up fit and
-goes ahead. Hence off by default until a catch-up can be paid for by the sequence's later rounds
-(spread over the tokens the sequence has left, the first priced rounds of the draft model's
-summaries at batch 32 caught up every report again). With ``stay_margin`` 1, below, the batch-1
-scenes lose nothing: ``bench spec-compare --set calibrate=1 --set stay_margin=1.0``, 6 rounds,
-every cell, two runs: early exit's summaries at batch 8 1.07-1.09x and at 32 1.03-1.09x, its scenes
-at 32 1.04-1.06x, the draft model's summaries at 32 1.03-1.06x, the others within 1-2 % but the
-draft model's scenes at 32, 0.97x in both: there the first priced round, after one sequence
-explored with every draft accepted, catches up all 32 scenes to draft 6 each, most stop unsure at
-their first, and calibrated from text prompts the rounds after it are priced at about break-even
-and go on, where an engine still learning decodes plainly. Those two runs had the stay margin on
-``rounds_share`` alone; with the size-class rule below, one run of the draft model's cells read
-1.03 / 1.00 / 1.01x on the summaries and 0.93 / 1.04 / 0.98x on the scenes at batches 32 / 8 / 1.
-The scenes at 32 set ``min_speedup`` then, so both stayed off.) The width rule below keeps that
-first round to a few sequences, and with it both are on by default. Measured before they were
-(``bench spec-compare --set calibrate=1 --set stay_margin=1.0 --set width_growth=3`` against an
-engine with none of the three, engines taking turns over 16 rounds): the draft model's scenes at
-batch 1 / 32 1.00x / 1.02x, its summaries at 32 1.05x, early exit's summaries at 8 1.07x;
-calibrated without the width rule, the draft model's scenes at 32 0.97x; over 6 rounds every other
-cell within 2 % (0.99-1.02x). Calibration takes about a second when the engine starts (the bundled
-pair: 1.4 s for early exit, 0.8 s for the draft model).
+Each constant here is a default of ``Settings`` (``python -m mmkv.bench spec-compare --set
+NAME=VALUE`` measures a change). Why each rule and what it measured: docs/speculation.md.
 
-Width. A round drafts for at most ``WIDTH_GROWTH`` times as many sequences as the engine-wide rates
-rest on (``AcceptanceModel.proposed``'s decayed count of sequence-rounds at the first position),
-those with the most net tokens (expected accepted tokens less their rows' and catch-up's cost at
-the goodput ``R``): a draft model explores with one sequence, so its first priced round after it
-drafts for 5 sequences at most and the next for about 20, each teaching the rates more than the one
-before. Depths no round has seen are no evidence (``FRONTIER_GROWTH``, above), and neither is one
-sequence's round for 32 others. A controller that is not to explore (``explore`` 0) prices from
-the prior alone and is not held to a width.
-
-The margin. A round is taken only when it promises ``ROUND_MARGIN`` times plain decoding's
-goodput: what the model leaves out (the slots a round reserves, the rates' and fits' noise)
-costs a round a few per cent, so a round priced at break-even is a loss measured. (The engine's
-work on a round's verdicts is in the verification pass's time, as the same work is in a plain
-step's.) With ``stay_margin`` below ``ROUND_MARGIN`` (1 by default), rounds that run go on
-at that margin while at least ``STAYING`` of recent steps ran rounds (``rounds_share``) and the
-batch is in the size class of the last step that ran one or a smaller class. Why: a draft model
-that stops drafting falls behind, its next round must first catch up what it skipped (Catch-up,
-above), and nothing a plain step teaches moves the rates or the draft's costs, so one plain
-decision priced a hair under the margin (1.09x at the draft model's batch-1 scenes, a cost fit's
-noise) kept every later round from paying and the engine decoded plainly to the end of the run:
-123 drafts in such a run against 241 in another, the controller at 1.18x of plain decoding where
-fixed rounds ran 1.41x. A batch grown into a larger class is priced at the margin again (a batch
-of 32 after its last sequence's rounds). Alone (``--set stay_margin=1.0``, every cell) it moved no
-cell beyond 1.5 %; it is what lets calibration keep the batch-1 scenes (Calibration, above), and
-it is on with calibration.
-
-Holding. Planning costs about 0.3 ms inside the engine (tens of small array operations, run with
-the caches full of the model's weights): a quarter of a batch-1 step of the bundled model, a sixth
-of a batch-8 one. So a priced decision to decode plainly is kept without planning for the next
-steps while the batch stays in its size class (1, 2-3, 4-7, 8-15, ...) or a larger one (a round
-pays less the more rows verification carries). Each class keeps its own span: 1 step after its
-first plain decision, doubling with every one that follows up to ``HOLD_MAX``; ``HOLD_MAX`` at once
-when not even a draft that is always right would pay (no acceptance can change that), or when
-the best it priced promised less than ``1 - HOLD_GAP`` of the margin (a round, or where none
-was priced, the best first draft's tokens per second of its rows, over plain decoding's
-goodput): while the step decodes plainly no rate moves, so only its costs drifting by more than
-that could turn it, and the draft model's scenes at batch 32 priced 0.85, 0.76, 0.72, 0.68, 0.65,
-0.61x in one run, every step of it further away (its sequences' ends nearer). Held so, 2-3
-priced steps a run there instead of 8-9, about 0.7 ms each inside the engine; ``bench
-spec-compare --set hold_gap=1.0`` (no such hold) against it, 8 rounds: the draft model's scenes
-at batches 32 and 8 0.995x and 0.987x, the other cells tried within 1 %. A priced
-round in a class starts that class's span again at 1 (rounds pay there now, so a return to plain
-decoding is checked soon), and leaves the other classes' alone (the rounds a batch's last few
-sequences run as it drains do not cost the next full batch its long hold). A batch in a smaller
-class ends the hold and is priced at once, and so does a batch that a sequence has joined since
-(every token of a new sequence lies ahead, where the decision may have been made for sequences near
-their ends: a batch's last summaries, a few tokens from theirs, chose plain decoding, and the next
-batch's fresh ones inherited it for up to 64 steps of rounds that paid). Nothing a plain step
-teaches the controller but plain decoding's cost changes while it holds, so a workload that starts
-to pay at the same batch size and the same sequences waits at most ``HOLD_MAX`` steps for its first
-round. A priced round's lengths are held the same way while no sequence has joined the batch
-(each clipped to its limit; those left when others end keep theirs, unless none of them drafts):
-1 round, then 2, up to ``ROUND_HOLD_MAX`` while pricing keeps choosing the same sequences to draft
-(among those still there), 1 again when it chooses others (a re-check that lets a sequence whose
-drafts were rejected draft again is held for one round, not four); a round moves a sequence's rates
-by one observation against the ten or so its decayed counts weigh, and at batch 1 planning every
-round cost 7 % of the bundled model's summaries. A priced decision costs 0.4-0.7 ms inside the
-engine, about 5 % of a batch-1 run of the bundled pair at ``ROUND_HOLD_MAX`` 4: held up to 16
-rounds instead (``bench spec-compare --set round_hold_max=16``, 6 rounds each, two runs over every
-cell) the draft model's batch-1 scenes ran 1.04-1.06x, early exit's batch-32 summaries 1.01-1.04x
-and no cell below 0.99x (up to 8: 0.96-1.02x; up to 64: 0.99-1.03x). A round is held only while
-the engine-wide rates rest on at least ``ROUND_HOLD_EVIDENCE`` times the observations it adds (one
-per drafting sequence); before that its outcome can move them far, and the next step is priced.
-(At batch 32 the draft model's first priced round, after an exploring round of four sequences
-whose drafts were all accepted, gave all 32 sequences 6 drafts; every one stopped unsure at its
-first, and the held round after it cost about 10 ms more than plain steps. Paired over 8 rounds:
-draft model scenes at batch 32 1.03x, early exit summaries at batch 8 1.06x over 6, the other cells
-tried within noise.) Before a round's lengths outlived the sequences that ended, every ending
-ended the hold and restarted its span: early exit's summaries at batch 8 priced about 15 steps a
-run, batch 32 about 6. Kept by those left, engines taking turns over 6 rounds against the rule
-before: priced steps 89 -> 71 and 34 -> 18, 1.004x and 1.033x; early exit's scenes at 8 1.02x and
-the draft model's at 8 1.007x (priced 125 -> 104).
-
-The constants below (``EXPLORE``, ``FRONTIER_GROWTH``, ``WIDTH_GROWTH``, the margins, the holds' and
-``PREFILL_DRAFT_SHARE``) are the defaults of ``Settings``, which a controller may be given
-instead: ``python -m mmkv.bench spec-compare --set NAME=VALUE`` measures such a change against
-the defaults.
-
-A draft length chosen from past rounds only (never from the round's own outcomes) leaves
-verification exact.
-
-Invariant: a chosen length is in ``[0, limit]``; with ``fixed`` it is the limit.
+Invariants: a chosen length is in ``[0, limit]``; with ``fixed`` it is the limit. Lengths come from
+past rounds only, never from a round's own outcomes, so verification stays exact.
 """
 
 from __future__ import annotations
@@ -217,13 +67,13 @@ from speculative.acceptance import AcceptanceModel, DraftHistory
 from speculative.costs import CONTEXT_SCALE, ROW_SCALE, PassCosts
 from speculative.lengths import OutputLengths
 
-EXPLORE = 2
+EXPLORE = 2  # verification passes timed and sequence-rounds observed before pricing
 EXPLORE_LENGTH = 2  # the most an exploring round drafts, unless the speculator asks for more
-EARLY_EXIT_EXPLORE_LENGTH = 4  # ... for early exit (the module docstring)
+EARLY_EXIT_EXPLORE_LENGTH = 4  # ... for early exit
 FRONTIER_GROWTH = 3  # a sequence caught up drafts at most this x as deep as any round has reached
 WIDTH_GROWTH = 3  # a round drafts for at most this x the sequence-rounds the rates rest on
 ROUND_MARGIN = 1.1  # a round must promise this x plain decoding's goodput
-STAY_MARGIN = 1.0  # ... while STAYING of recent steps ran rounds (the module docstring)
+STAY_MARGIN = 1.0  # ... while STAYING of recent steps ran rounds and the size class has not grown
 STAYING = 0.5  # the share of recent steps that ran rounds from which the stay margin applies
 HOLD_MAX = 64  # the most steps a priced plain decision is held
 HOLD_GAP = 0.2  # ... at once, if the best it priced fell short of the margin by more than this share
@@ -232,7 +82,7 @@ ROUND_HOLD_EVIDENCE = 1.0  # ... only if the rates rest on this x the observatio
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
 ROUNDS_SMOOTHING = 0.1  # weight of the latest step in ``rounds_share``
 PREFILL_DRAFT_SHARE = 0.2  # the draft model follows prompts while rounds_share is at least this
-CALIBRATE = 1  # the engine times its passes when it starts (the module docstring)
+CALIBRATE = 1  # 1: the engine times its passes before its first request
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,8 +184,7 @@ class DraftLengthController:
         """``choose`` with its ``limits`` from ``limits()``, called for every step but one that
         keeps a held plain decision, and its ``lengths``, ``progress`` and ``behind`` from
         ``state()``, called only for a step that is priced or explores (a step that keeps a held
-        decision needs neither: at batch 32 building them took about a third of a held step's
-        planning)."""
+        decision needs neither, so it does not build them)."""
         if self._script:
             length = self._script.popleft()
             caps = [min(length, limit) for limit in limits()]
@@ -453,7 +302,7 @@ class DraftLengthController:
                 room -= caps[-1] > 0
             return caps
         if not self.costs.count("plain"):
-            return [0] * len(limits)  # time a plain pass before pricing (the module docstring)
+            return [0] * len(limits)  # no pricing before a plain pass is timed
         self.planned += 1
         return self._priced(histories, limits, lengths, progress, behind)
 

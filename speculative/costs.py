@@ -5,22 +5,20 @@ Passes are of five kinds: ``plain`` decoding, a ``verify`` pass, a round's first
 positions it skipped. A plain pass is a verification pass with no drafts (the target model over
 each sequence's pending rows), so the two share one fit, the *target* fit; the draft passes
 share the *draft* fit; a catch-up pass, a prompt chunk through the draft model (hundreds of
-rows of a few sequences), has a fit of its own (in the draft fit its many cheap rows lowered the
-row cost of the one-row-per-sequence passes, and more rounds of a batch's draining sequences paid
-a catch-up over a whole report for a token or two):
+rows of a few sequences), has a fit of its own, so its many cheap rows do not lower the row cost
+of the one-row-per-sequence draft passes:
 
     seconds = θ0 + θ1 · rows / 16 + θ2 · sequences / 16 + θ3 · context / 16384 + θ4 · extra
 
 (``rows``: the query tokens of the pass; ``sequences``: how many sequences they belong to;
 ``context``: the tokens they attend to, summed over rows; ``extra``: 1 for a verification pass or
 a round's first draft pass, 0 for the others). A pass costs mostly per sequence (its attention
-metadata and kernel calls, its sampling) and little per further row of a sequence: on the bundled
-model at batch 32 a plain step takes 5.3 ms and a verification of the same 32 sequences over 96
-rows 6.4 ms; read as rows alone, that per-sequence cost priced a 24-draft round's verification
-at several times what it took. The extra term is what a verification pass costs beyond a plain
-one over the same rows (it gathers the drafts' hidden states and reads the logits of every row),
-and what a round's first draft pass costs beyond a later one (it plans the step's attention
-afresh; later passes move that plan on a position).
+metadata and kernel calls, its sampling) and little per further row of a sequence, so sequences
+and rows are separate terms: a fit on rows alone would charge every draft row a sequence's cost.
+The extra term is what a verification pass costs beyond a plain one over the same rows (it gathers
+the drafts' hidden states and reads the logits of every row), and what a round's first draft pass
+costs beyond a later one (it plans the step's attention afresh; later passes move that plan on a
+position).
 
 The fit is exponentially weighted least squares with every coefficient but θ0 at least 0: every
 observation multiplies the past's weight by ``decay``, so the fit follows the batch and the
@@ -29,16 +27,14 @@ ridge term makes one observation enough for a usable (minimum-norm) fit. Interfe
 adds time (a pass that met another process on a shared core), so the fit leans on the fast
 passes: an observation above the prediction of the last fit solved from passes weighs
 ``SLOW_WEIGHT``, and one more than ``SPIKE`` times that prediction counts as ``SPIKE`` times it.
-(A fit read before any pass, a catch-up fit priced before its first pass was timed, predicts
-nothing; clipped against it, every catch-up pass after read as free.)
+A fit read before any pass predicts nothing, and no observation is weighed against it.
 
 Why shared: plain decoding's cost is what every round is weighed against, and while rounds run
-there are no plain passes to time. A fit of its own kept whatever its first passes measured: on
-the bundled model a cold 1.9 ms against the 1.0 ms its steps took later, so rounds that lost a
-quarter of plain decoding's speed looked twice as good. Every verification pass now keeps it
-current.
+there are no plain passes to time; sharing the target fit, every verification pass keeps plain
+decoding's cost current.
 
-Invariant: every prediction is the current fit's, and positive.
+Invariant: every prediction is the current fit's, and positive. What each rule measured:
+docs/speculation.md (Pass costs).
 """
 
 from __future__ import annotations
@@ -75,8 +71,7 @@ class LinearFit:
     extra)`` with every coefficient but the intercept at least 0 (``theta``).
 
     Observations are kept as they come and folded into the Gram matrix and moments together
-    when the fit is next read (a fold per plan, not per pass: folding one costs about 17 us in
-    the engine, a twentieth of a batch-1 draft pass). Every observation kept is weighed against
+    when the fit is next read (a fold per plan, not per pass). Every observation kept is weighed against
     the same last solved fit as it would have been when it came, since nothing is solved
     between two reads."""
 
@@ -103,8 +98,7 @@ class LinearFit:
     def _fold(self) -> None:
         """Fold the kept observations in: each decays the past by ``decay``; one slower than the
         last solved fit predicts weighs ``SLOW_WEIGHT`` and counts as at most ``SPIKE`` times
-        the prediction. (A read finds 1 to 50 observations kept; numpy folds any number in
-        about the time plain Python folds three.)"""
+        the prediction. All kept observations fold in one numpy step, whatever their number."""
         pending, self._pending = self._pending, []
         x = np.array([features for features, _ in pending])
         seconds = np.array([s for _, s in pending])
@@ -144,9 +138,9 @@ class LinearFit:
         one whose gradient says the error falls if it grows is freed. A fit where neither applies
         meets the optimality conditions of this convex problem, so it is the constrained optimum
         from whichever set it starts; it starts from the last solve's, which a few more passes
-        seldom change (one solve and one gradient then, about a third of starting from every
-        slope free); should the sets cycle, every set is tried. The solves run in plain Python
-        on 5 x 5 lists, where numpy's per-call overhead is most of the work."""
+        seldom change (then one solve and one gradient suffice); should the sets cycle, every
+        set is tried. The solves run in plain Python on 5 x 5 lists: at that size numpy's
+        per-call overhead would outweigh the arithmetic."""
         if self._theta is None:
             gram, moment = self.gram.tolist(), self.moment.tolist()
             free = list(self._free)
@@ -203,7 +197,8 @@ def _ridge_solve(gram: list[list[float]], moment: list[float], ridge: float,
 
 def _cholesky_solve(a: list[list[float]], b: list[float]) -> list[float]:
     """``x`` with ``a x = b`` for a symmetric positive definite ``a`` of a few rows: ``a = L L'``,
-    then ``L y = b`` and ``L' x = y`` (scalar loops: at 5 rows faster than slices or numpy)."""
+    then ``L y = b`` and ``L' x = y`` (scalar loops: at a few rows, slicing's and numpy's
+    per-call overhead would outweigh the arithmetic)."""
     n = len(a)
     lower: list[list[float]] = []
     for i in range(n):

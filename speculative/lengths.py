@@ -1,16 +1,15 @@
 """How far running sequences will still go, from how long recent outputs ran.
 
 A sequence's hard limit (``max_tokens`` less what it generated) overstates what most sequences
-generate: a summary asked for at most 48 tokens ends at about 25, by its end-of-sequence token.
-The chance that a sequence which has generated ``g`` tokens is still running ``i >= 1`` tokens
-after its next one (``survival``): of the recent outputs that ran past ``g`` and one more output
-that ends after the sequence's next token, the share that ran to ``g + 1 + i`` or further. A
-round prices its drafts with it: a summary two tokens from its end gets nothing from a draft of
-eight (rounds of a batch's last summaries were priced at 8-12 tokens and yielded 2).
+generate: a summary asked for at most 48 tokens ends at about 25, by its end-of-sequence token. The
+chance that a sequence which has generated ``g`` tokens is still running ``i >= 1`` tokens after
+its next one (``survival``): of the recent outputs that ran past ``g`` and one more output that
+ends after the sequence's next token, the share that ran to ``g + 1 + i`` or further. A round
+prices its drafts with it: a summary two tokens from its end gets nothing from a draft of eight.
 
-The extra output is the sequence's own chance of ending now. Without it a sequence that has run
-past every recent output's end (the longest of a batch) was expected to run to its limit. With
-nothing recorded (a fresh engine) the chance is 1.
+The extra output is the sequence's own chance of ending now, so a sequence that has run past every
+recent output's end (the longest of a batch) is not expected to run to its limit. With nothing
+recorded (a fresh engine) the chance is 1.
 
 Invariant: ``survival`` is 1 at ``i = 0`` and falls with ``i``, below 1 after ``i = 0`` once an
 output is recorded; the sorted lengths are rebuilt after a record, on the next estimate.

@@ -171,8 +171,9 @@ class Speculator(ABC):
     def observe(self, kind: str, rows: int, context: int, started: tuple[float, int],
                 sequences: int | None = None) -> None:
         """Tell the controller what a pass begun at ``started`` took, unless a packed layer built
-        a kernel in it (a row count met for the first time: 2-3x what the next pass of that shape
-        takes, which taught the cost fit a row slope the plain steps never corrected)."""
+        a kernel in it (a row count met for the first time: such a pass takes far longer than
+        the next of its shape, and would teach the cost fit a row slope that plain steps never
+        correct)."""
         if kernel_builds() == started[1]:
             self.controller.observe_pass(kind, rows, context, self.controller.clock() - started[0],
                                          sequences)

@@ -3,7 +3,7 @@
 The module has the API mmkv's FlashInfer backend calls (two wrappers, ``append_paged_kv_cache``,
 ``merge_state``), so the backend can run on it on a CPU. Each call is first bound against the
 signatures recorded from the real package (``flashinfer_api``) and checked against what the real
-package requires or silently gets wrong (``../shared/FLASHINFER.md``): int32 index arrays, the
+package requires or silently gets wrong (FlashInfer 0.7.4's documented API): int32 index arrays, the
 page-table shape, dtypes said at ``plan()`` and met at ``run()``, options by keyword, K/V in the
 cache's dtype, the post-append page table, contiguous float32 log-sum-exp. Then, in float64:
 

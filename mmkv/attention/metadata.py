@@ -39,12 +39,10 @@ class OneCallLimits:
     """When the native kernel attends a step's cross-attention groups in one call: at most
     ``queries`` rows a group; or at most ``work`` rows x keys; or, with ``groups`` groups or more,
     at most twice ``queries`` rows. The kernel walks every row over the pages where SDPA runs a
-    GEMM on a gathered copy, and the torch path pays that gather and a call per group. Measured on
-    this project's 2-core machine (8 query heads of 64), kernel against torch: a group of 8 rows
-    over 1601 image keys 0.90 against 0.90 ms, four such 2.8 against 4.5 ms; a group of 16 rows
-    1.7 against 1.2 ms, four of them 5.5 against 6.5 ms (over 257 keys 1.2 against 1.6 ms); a
-    group of 32 rows 2.7 against 1.6 ms; at 512 rows 30 against 15 ms; 8 groups of 128 rows over
-    the bundled model's 10 keys 0.63 against 1.0 ms."""
+    GEMM on a gathered copy, and the torch path pays that gather and a call per group: the one call
+    wins for few rows a group, little work, or many groups, SDPA for many rows over many keys. The
+    limits rest on timings of the two (docs/attention-and-kernels.md);
+    ``python -m mmkv.bench cross --json`` measures the one call end to end."""
 
     queries: int = 8
     work: int = 4096

@@ -30,7 +30,7 @@ SPLIT_QUERIES = 256  # from this many queries on, attending past keys and the di
 
 def write_kv(layer: torch.Tensor, batch: PagedBatch, key: torch.Tensor, value: torch.Tensor) -> None:
     """Store the step's new K/V ``[T, kv_heads, head_dim]`` into their pages: one copy into the
-    layer's rows (``write_slots``; a decode row's two advanced-index writes took twice as long)."""
+    layer's rows (``write_slots``), not an advanced-index write for K and another for V."""
     rows = layer.view(-1, *layer.shape[3:])
     rows.index_copy_(0, batch.write_slots, torch.cat((key, value)).to(layer.dtype))
 
@@ -38,7 +38,7 @@ def write_kv(layer: torch.Tensor, batch: PagedBatch, key: torch.Tensor, value: t
 def gather_kv(layer: torch.Tensor, pages: torch.Tensor, length: int,
               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[length, kv_heads, head_dim]`` of a page list (``index_select`` copies whole
-    pages, several times faster than advanced indexing), in ``dtype`` if given."""
+    pages, cheaper than advanced indexing's per-element gather), in ``dtype`` if given."""
     _, _, _, h, d = layer.shape
     k = layer[:, 0].index_select(0, pages).view(-1, h, d)[:length]
     v = layer[:, 1].index_select(0, pages).view(-1, h, d)[:length]

@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # What the imports built (about 450,000 objects with transformers) lives as long as the
-    # process: frozen out of the collector, the full collection before every timed run
-    # (``gc_paused``) scans only what the runs build, ~0 s instead of ~0.26 s each.
+    # What the imports built (transformers' objects above all) lives as long as the process:
+    # frozen out of the collector, the full collection before every timed run (``gc_paused``)
+    # scans only what the runs build (docs/benchmarks.md: the collector).
     gc.freeze()
     main()

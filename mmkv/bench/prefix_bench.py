@@ -162,9 +162,8 @@ def bfloat16_and_peers(model_dir: Path, prefix: list[int], prompts: list[list[in
     speedups and how many sequences agree token for token with mmkv's float32 output (random
     weights have near-ties, which half precision flips). Each llama.cpp run alternates with an mmkv
     run in the matching precision (fp32 with f32, bf16 with f16) and the speedup is the ratio of
-    their best times: the machine's speed drifts over a run of the bench, and timing the two
-    sides seconds apart gave one side alone a slow stretch (mmkv 0.37 s against 0.30 s in the
-    runs around it)."""
+    their best times: the machine's speed drifts over a run of the bench, and two sides timed
+    seconds apart can meet different speeds, one side alone a slow stretch."""
     bf16, bf16_s, _ = run_mmkv(model_dir, prompts, params, args, dtype="bfloat16")
     result = {"mmkv_bf16_seconds": round(bf16_s, 3),
               "bf16_speedup_vs_fp32": round(mmkv_s / bf16_s, 2),

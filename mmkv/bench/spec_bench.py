@@ -102,9 +102,8 @@ def workloads(n: int, seed: int) -> dict[str, list]:
 def warm_ups(seed: int) -> dict[str, list]:
     """One prompt of each workload that is none of ``workloads(n, seed)``'s (drawn from another
     seed), for an engine's warm-up request: a workload's own prompt would leave its K/V cached (a
-    draft model's too) for the run, and its first step served that prompt as no later one is
-    (at batch 32 the draft model explored with it, its draft K/V cached: 8-11 ms, 3 % of a run,
-    in 4 of 12 runs, session 30)."""
+    draft model's too) for the run, and its first step would serve that prompt as no later one is
+    served."""
     return workloads(1, seed + 1)
 
 
@@ -135,14 +134,10 @@ def in_turns(engines: dict[str, Engine], prompts: list, batch: int) -> dict[str,
     calls took and its stats (``run_<phase>_seconds``: this run's step seconds, a warm-up before it
     left out).
 
-    This machine's speed drifts by 10-40 % over a second or two, and one engine's run after
-    another's compares two moments as much as two engines. Taking turns every step puts the same
-    moments in both: plain decoding against itself on the batch-8 summaries, 8 rounds of each, gave
-    ratios with a standard deviation of 0.011 taking turns every step, 0.05 every batch and 0.18
-    whole run after whole run (the bench's way before), with the same medians within 1 %. (In an
-    order that rotated every turn each engine mostly followed the same other one, and of two
-    identical draft-model engines beside plain decoding at batch 1 the one created last read 1 %
-    faster over 8 rounds; in a drawn order they read within 0.4 %.)"""
+    This machine's speed drifts over a second or two, and one engine's run after another's
+    compares two moments as much as two engines; taking turns every step puts the same moments in
+    both. The order is drawn, not rotated: in a rotating order each engine mostly follows the same
+    other one, which can favour one of them. What this measured: docs/benchmarks.md (spec)."""
     names = list(engines)
     order = random.Random(0)
     warm = {name: engines[name].stats() for name in names}
@@ -186,15 +181,13 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
     workload (``in_turns``; a config named ``<method>_all_accepted`` proposes the target's own
     tokens). For each (config, workload), the pairs of runs (the config's, the plain one beside
     it) in round order. More rounds, up to ``MAX_ROUNDS`` x ``repeats``, while the counted runs
-    took under ``seconds`` in all (a round at batch 32 takes a quarter of one at batch 1). A first
-    round is run and not counted: a process's first runs of a batch size are 5-20 % slower than
-    its later ones (its allocator and caches settle).
+    took under ``seconds`` in all (so the faster batch sizes get more rounds). A first round is
+    run and not counted: a process's first runs of a batch size are slower than its later ones
+    (its allocator and caches settle).
 
-    Two engines at a time, each its own plain partner: with every config's engine and the plain
-    one taking turns at once (six engines), a lone plain engine's 700 tokens/s at batch 1 read
-    450-500 and early exit's scenes read 5-9 % faster against it than against a plain partner
-    alone (batch 1: 2.52x against 2.40x, batch 8: 1.98x against 1.81x, medians of 6 rounds),
-    while a plain partner alone runs as fast as a lone engine."""
+    Two engines at a time, each config with its own plain partner: a plain engine beside one other
+    runs as fast as alone, while among many engines taking turns plain decoding slows more than
+    speculation does, which would read as a larger speedup."""
     pairs: dict = {key: [] for key in ((name, load) for name in configs for load in prompts)}
     own = ({load: own_outputs(model, warm[load], subset, batch) for load, subset in prompts.items()}
            if any(name.endswith(ALL_ACCEPTED) for name in configs) else {})
@@ -226,8 +219,8 @@ def variants(speculative: dict[str, SpeculativeConfig], all_accepted: bool
 
 def paired(base: list[float], seconds: list[float]) -> float:
     """How many times faster than ``base`` the runs taking ``seconds`` are: the median over
-    rounds of each round's ratio. This machine's speed drifts by 10-20 % over seconds, so the
-    fastest run of each variant compares moments, not variants; two runs of the same round met
+    rounds of each round's ratio. This machine's speed drifts over seconds, so the fastest run
+    of each variant compares moments, not variants; two runs of the same round met
     about the same machine, and the median leaves out a round in which they did not."""
     return statistics.median(b / s for b, s in zip(base, seconds, strict=True))
 

@@ -35,8 +35,8 @@ SUPPORTED = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: statistics in float32, the weight applied in the input's dtype. In
-    float32 torch's ``rms_norm`` computes the same operations in the same order in one call (a
-    third faster on a decode row, where the eight calls' dispatch is the cost)."""
+    float32 torch's ``rms_norm`` computes the same operations in the same order in one call (on a
+    decode row the eight calls' dispatch is the cost)."""
     if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(hidden, weight.shape, weight, eps)
     x = hidden.to(torch.float32)
@@ -51,10 +51,10 @@ _RMS_NORM_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_in
 class RMSNorm:
     """An RMSNorm module's forward as a plain call over its weight (a module call's hooks and
     attribute lookups cost more than the norm does on a decode row). Float32 rows on the CPU go
-    through ``mmkv/native/rms_norm.c`` where it is built (one call, about 3 us on a row of 128,
-    against torch's six kernels, about 15 us; equal up to the sum of squares' rounding), others
-    through ``rms_norm``. The kernel is looked up when the norm is made: with ``MMKV_NATIVE=0``
-    every norm is torch's, bit for bit transformers'."""
+    through ``mmkv/native/rms_norm.c`` where it is built (one call in place of torch's six
+    kernels; equal up to the sum of squares' rounding), others through ``rms_norm``. The kernel
+    is looked up when the norm is made: with ``MMKV_NATIVE=0`` every norm is torch's, bit for bit
+    transformers'."""
 
     __slots__ = ("weight", "eps", "kernel")
 
@@ -152,14 +152,15 @@ def fused_linear(modules: list[torch.nn.Linear], pack: bool) -> PackedLinear | P
 class FusedMLP:
     """A decoder layer's normalised gated MLP on packed rows: ``down(act(gate(x)) * up(x))`` with
     ``x`` the RMS-normalised input, gate and up in one GEMM. (Outputs are parted with
-    ``split_with_sizes``: ``Tensor.split``'s Python wrapper took 2.5 of its 4 us on a decode row.)"""
+    ``split_with_sizes``, without ``Tensor.split``'s Python wrapper, which on a decode row costs
+    more than the split.)"""
 
     def __init__(self, mlp: torch.nn.Module, norm: torch.nn.Module, pack: bool) -> None:
         intermediate = mlp.gate_proj.weight.shape[0]  # read before packing releases it
         self.halves = [intermediate, intermediate]
         self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj], pack)
         self.down_proj = fused_linear([mlp.down_proj], pack)
-        # SiLU without its module's call (the same function; the call cost more than it on a row)
+        # SiLU without its module's call (the same function; on a row the call costs more than it)
         self.act = F.silu if type(mlp.act_fn).__name__ in SILU_MODULES else mlp.act_fn
         self.norm = RMSNorm.of(norm)
 
@@ -176,8 +177,7 @@ class FusedDecoderLayer:
     (``MMKV_NATIVE=0``), up to float rounding with weights packed for the CPU (``packed_linear``)
     and the native kernels. On the CPU in float32, with a backend that stores K/V at the step's
     write slots, one native call (``mmkv/native/rope_write.c``) rotates Q and K and stores K and
-    V: the split, the rotation's four operations, the concatenation and the copy took about 35 us
-    a decode row, the call 4."""
+    V, in place of the split, the rotation's four operations, the concatenation and the copy."""
 
     def __init__(self, module: torch.nn.Module, pack: bool) -> None:
         attn, mlp = module.self_attn, module.mlp

@@ -4,34 +4,32 @@ the way this machine runs it fastest.
 ``F.linear`` on the CPU goes through MKL, which re-lays-out (packs) the weight on every call and,
 on AMD processors, does not take the AVX-512 path; at decode shapes (a few rows against every
 weight of the model) that costs more than the arithmetic. oneDNN's linear with a weight reordered
-once into its blocked layout avoids both: on this project's 2-core AMD EPYC machine it runs the
-benchmark model's layers 2.3-2.6x faster in float32 (decode and prefill shapes) and 1.1-1.4x in
-bfloat16 (``python -m mmkv.bench prefix`` gives the end-to-end figures).
+once into its blocked layout avoids both (``python -m mmkv.bench prefix --json`` measures the
+end-to-end effect).
 
-oneDNN's bfloat16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT. On a processor with AVX2
-alone it refuses to reorder a bfloat16 weight, and ``F.linear`` in bfloat16 there runs 3-8x
-slower than in float32 from 8 rows up (a 2048 x 512 weight on 64 rows: 7.3 ms against 1.0 ms on
-a 2-core AMD EPYC with AVX2). So there a bfloat16 weight is packed *upcast*: its values, exact in
+oneDNN's bfloat16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT. On a processor with AVX2 alone
+it refuses to reorder a bfloat16 weight, and ``F.linear`` in bfloat16 there has no fast path: it
+runs slower than in float32. So there a bfloat16 weight is packed *upcast*: its values, exact in
 float32, are packed as a float32 weight, each call's rows are upcast and its outputs rounded back
-to bfloat16. The products of bfloat16 values are exact in float32 and the sums run in float32 as
-in the bfloat16 path, so the outputs are the bfloat16 layer's up to the order of the sums; the
-weight takes float32's memory (the KV cache stays bfloat16).
+to bfloat16. The products of bfloat16 values are exact in float32 and the sums run in float32 as in
+the bfloat16 path, so the outputs are the bfloat16 layer's up to the order of the sums; the weight
+takes float32's memory (the KV cache stays bfloat16).
 
-Which is faster for a few rows depends on the machine. On a 2-core Intel Xeon a oneDNN call costs
-40-50 us whatever its size, against 10-30 us for ``F.linear``, and MKL spreading a few rows over
-both cores costs more than it saves: a 682 x 128 weight on 9 rows takes 79 us on 2 threads and
-35 us on one. So a small float32 weight (which keeps its plain copy, at most 1.6 MB) is
-*calibrated* when first met: for every row class (1, 2, ..., 16, 17-32, ..., 129-256 rows, while
-the class's work stays small) its three ways, oneDNN packed, ``F.linear`` on the step's threads and
-``F.linear`` with MKL on the calling thread alone (``MKL_Set_Num_Threads_Local``, which leaves
-OpenMP's team, and so the attention kernel and every other operation, as it is), are timed in
-turns, and the fastest median is that class's way. Weights of one shape, dtype and thread count
-share one calibration per process. Larger row counts and larger weights run packed.
+Which is faster for a few rows depends on the machine: a oneDNN call has a fixed cost that can
+exceed a small ``F.linear``'s, and MKL spreading a few rows over every core can cost more than it
+saves. So a small float32 weight (which keeps its plain copy, at most 1.6 MB) is *calibrated* when
+first met: for every row class (1, 2, ..., 16, 17-32, ..., 129-256 rows, while the class's work
+stays small) its three ways, oneDNN packed, ``F.linear`` on the step's threads and ``F.linear``
+with MKL on the calling thread alone (``MKL_Set_Num_Threads_Local``, which leaves OpenMP's team,
+and so the attention kernel and every other operation, as it is), are timed in turns, and the
+fastest median is that class's way. Weights of one shape, dtype and thread count share one
+calibration per process. Larger row counts and larger weights run packed.
 
 Guarantees: ``PackedLinear(w, b)(x)`` equals ``F.linear(x, w, b)`` up to float rounding (the sums
 run in another order: about 1e-6 relative in float32) whichever way a row count runs; it holds the
 packed copy only (but for small float32 weights), so a model whose weights are packed takes no
-more memory than before (but bfloat16 weights packed upcast, which take float32's).
+more memory than unpacked (but bfloat16 weights packed upcast, which take float32's). What these
+choices measured: docs/attention-and-kernels.md.
 """
 
 from __future__ import annotations
@@ -62,7 +60,7 @@ def bfloat16_packs() -> bool:
 
 PLAIN_COPY_ELEMENTS = 400_000  # a float32 weight this small keeps its plain copy (1.6 MB)
 CALIBRATED_ROWS = 256  # row counts up to this run the way calibration chose; more run packed
-CALIBRATION_WORK = 1 << 23  # ... while rows x weight elements stay within this (a call's ~0.5 ms)
+CALIBRATION_WORK = 1 << 23  # ... while rows x weight elements stay within this
 CALIBRATION_TURNS = 7  # timed calls of each way per row class (the median counts)
 PACKED, PLAIN, ONE_THREAD = "packed", "plain", "one_thread"  # the ways a row class runs
 
@@ -70,10 +68,9 @@ PACKED, PLAIN, ONE_THREAD = "packed", "plain", "one_thread"  # the ways a row cl
 def padded_rows(rows: int) -> int:
     """The row count a packed layer runs ``rows`` rows at: every count up to 16, then the next
     multiple of an eighth of the power of two below it (at most 8 counts per doubling, at most
-    1/8 more rows). oneDNN builds a primitive for every row count it meets, once, for 250-700 us
-    (a warm call at decode shapes takes 10-40 us); speculative verification meets a new count
-    almost every round (the sum of the sequences' drafts), and its passes took twice as long as
-    those of one repeated count."""
+    1/8 more rows). oneDNN builds a primitive for every row count it meets, once, at many times
+    a warm call's cost, and speculative verification meets a new count almost every round (the
+    sum of the sequences' drafts): padding bounds the counts a process ever builds for."""
     if rows <= 16:
         return rows
     step = 1 << (rows.bit_length() - 4)

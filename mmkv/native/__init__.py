@@ -3,11 +3,10 @@
 Each kernel replaces a run of small tensor operations whose dispatch costs more than their
 arithmetic on decode rows: ``paged_decode.c`` attends a decode batch over the paged KV cache in
 place (``mmkv.attention.native``), ``rms_norm.c`` normalises float32 rows in one call
-(``mmkv.models.fused_layer.RMSNorm``: torch's ``rms_norm`` is six kernels on the CPU, about 15 us
-on a row of 128, against 3 us; paired in-process on the bundled model it took plain decoding
-12-17 % faster at batch 1 and 15 % at batch 8), ``rope_write.c`` rotates a fused layer's queries
-and keys and stores its K/V at the step's write slots, and ``top_tokens.c`` finds each row's
-argmax and its probability for greedy decoding and drafting (``mmkv.sampler.top_tokens``).
+(``mmkv.models.fused_layer.RMSNorm``: torch's ``rms_norm`` is six kernels on the CPU),
+``rope_write.c`` rotates a fused layer's queries and keys and stores its K/V at the step's write
+slots, and ``top_tokens.c`` finds each row's argmax and its probability for greedy decoding and
+drafting (``mmkv.sampler.top_tokens``). What each measured: docs/attention-and-kernels.md.
 
 The library is compiled on first use (a CPU engine asks for it when it starts) with the machine's C
 compiler (``-O3 -march=native -fopenmp``, OpenMP being the runtime torch's CPU build already loads)
