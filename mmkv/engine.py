@@ -30,6 +30,7 @@ from mmkv.image_kv import CrossAttentionKV
 from mmkv.models import load_model, resolve_device
 from mmkv.outputs import RequestOutput
 from mmkv.postprocess import Postprocessor
+from mmkv.preemption import CostWeights
 from mmkv.preparer import PreparedRequest, Prompt, RequestPreparer
 from mmkv.request_table import RequestTable
 from mmkv.runner import AttentionPlanning, ModelRunner
@@ -57,7 +58,9 @@ class Engine:
                  host_kv_memory: str | int = "1GiB", max_model_len: int | None = None,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  enable_prefix_caching: bool = True, eviction_policy: str = "lru",
-                 preemption: str = "auto", speculative: SpeculativeConfig | None = None,
+                 preemption: str = "auto", preemption_policy: str = "cost",
+                 preemption_weights: CostWeights | None = None,
+                 speculative: SpeculativeConfig | None = None,
                  attention_backend: str | AttentionBackend = "auto", debug: bool = False) -> None:
         device = resolve_device(device)
         self.model = load_model(model, device, dtype)
@@ -79,7 +82,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, self.attention, self.image_kv,
                                   self.attention_planning, speculative, draft)
         self.scheduler_config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, preemption,
-                                                enable_prefix_caching)
+                                                enable_prefix_caching, preemption_policy,
+                                                preemption_weights or CostWeights())
         self.debug = debug
         self._start()
         if (speculative is not None and speculative.draft_length == "auto"

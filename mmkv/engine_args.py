@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mmkv.bundled import BUNDLED_MODEL, BUNDLED_SPECULATION
 from mmkv.engine import Engine
+from mmkv.preemption import POLICIES
 from speculative.config import SpeculativeConfig
 
 
@@ -26,6 +27,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--eviction-policy", default="lru", choices=("lru", "fifo", "cost"))
     engine.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"))
+    engine.add_argument("--preemption-policy", default="cost", choices=POLICIES)
     engine.add_argument("--speculative", choices=("early_exit", "draft_model"))
     engine.add_argument("--draft-model", type=Path)
     engine.add_argument("--num-speculative-tokens", type=int)
@@ -45,4 +47,4 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
                   max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                   eviction_policy=args.eviction_policy, preemption=args.preemption,
-                  speculative=speculative)
+                  preemption_policy=args.preemption_policy, speculative=speculative)

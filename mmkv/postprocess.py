@@ -116,7 +116,8 @@ class Postprocessor:
         for i, generator in enumerate(parent.fork_generators, start=1):
             child = Sequence(seq_id=self.requests.new_id(), request_id=parent.request_id, index=i,
                              token_ids=list(parent.token_ids), prompt_len=parent.prompt_len,
-                             params=parent.params, arrival=parent.arrival, namespace=parent.namespace,
+                             params=parent.params, arrival=parent.arrival,
+                             arrival_time=parent.arrival_time, namespace=parent.namespace,
                              generator=generator, stop_token_ids=parent.stop_token_ids,
                              table=self.kv.fork(parent.table), num_computed=parent.num_computed,
                              num_cached_blocks=parent.num_cached_blocks, admitted=True,

@@ -4,9 +4,10 @@ Order of work in a step, under a budget of ``max_num_batched_tokens``:
 
 1. Running sequences, most important first (lowest ``priority``, then oldest): each gets its next
    chunk (one token when decoding, up to the remaining budget when prefilling; long prompts are
-   prefilled in chunks). When the pool cannot hold a chunk, the least important running sequence
-   (highest ``priority`` value, then newest) is preempted until it fits, possibly the sequence
-   itself.
+   prefilled in chunks). When the pool cannot hold a chunk, the running sequences are ranked by
+   the preemption policy (``mmkv.preemption``: the lowest priority class first, within it the
+   cheapest to preempt, or the newest) and preempted in that order until the chunk fits, possibly
+   the sequence itself; one scheduled earlier in the step leaves the batch.
 2. Swapped sequences come back when their blocks fit, unless this step preempted.
 3. Waiting sequences are admitted in order while their first chunk fits. A waiting sequence whose
    prompt shares at least a block more with a sequence still prefilling than the cache holds yet
@@ -17,7 +18,8 @@ Order of work in a step, under a budget of ``max_num_batched_tokens``:
    reserved, while the pool has them; when it chose 0 for all, they decode plainly.
 
 Preemption either swaps the victim's private blocks to the host tier or drops them to recompute
-later. ``preemption="auto"`` picks per victim the cheaper by this estimate::
+later. ``preemption="auto"`` picks per victim the cheaper by this estimate (its restore cost, in
+seconds, which the ``"cost"`` policy also ranks by)::
 
     swap      = SWAP_LATENCY + 2 * bytes_to_move / host_bandwidth      (out now, in later)
     recompute = rebuild_flops(tokens_to_recompute) / device_flops
@@ -28,20 +30,25 @@ the victim is recomputed. ``rebuild_flops(start, count)`` is the model's cost of
 ``count`` tokens from position ``start``; it is also each cached block's cost for the cost-based
 eviction policy.
 
-Guarantees: a scheduled sequence has its slots reserved (its drafts' too); the most important
-running sequence always progresses, so a request that fits in the pool alone always finishes.
+Guarantees: a scheduled sequence has its slots reserved (its drafts' too); every step that has
+work schedules some (a request that fits the pool alone fits once the others are preempted). Under
+``"newest"`` the most important running sequence always progresses; under ``"cost"`` a sequence
+becomes dearer with every preemption, so under a steady stream of arrivals none is preempted
+without bound and a request that fits the pool alone finishes.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 import xxhash
 
 from cache import BlockTable, KVCache, OutOfBlocksError
+from mmkv.preemption import POLICIES, CostWeights, rank_victims
 from mmkv.sequence import Sequence, Status
 
 if TYPE_CHECKING:
@@ -61,10 +68,15 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     preemption: str = "auto"
     enable_prefix_caching: bool = True
+    preemption_policy: str = "cost"
+    preemption_weights: CostWeights = field(default_factory=CostWeights)
 
     def __post_init__(self) -> None:
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.preemption_policy not in POLICIES:
+            raise ValueError(f"preemption_policy must be one of {POLICIES}, "
+                             f"got {self.preemption_policy!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -90,9 +102,11 @@ class ScheduledBatch(NamedTuple):
 
 @dataclass(slots=True)
 class PreemptionStats:
-    recompute: int = 0
-    swap: int = 0
+    recompute: int = 0  # preemptions that dropped the victim's K/V to recompute
+    swap: int = 0  # preemptions that swapped it to the host tier
     swapped_bytes: int = 0
+    recomputed_tokens: int = 0  # tokens computed again at positions a sequence had computed before
+    most_per_request: int = 0  # the most times one sequence was preempted
 
 
 class PrefillingBlocks:
@@ -144,8 +158,10 @@ class Scheduler:
     def __init__(self, kv: KVCache, config: SchedulerConfig,
                  rebuild_flops: Callable[[int, int], float], device_type: str,
                  image_kv: CrossAttentionKV | None = None,
-                 draft_lengths: Callable[[list[Sequence]], list[int]] | None = None) -> None:
+                 draft_lengths: Callable[[list[Sequence]], list[int]] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.kv = kv
+        self.clock = clock or time.monotonic  # seconds, for how long a request has waited
         self.config = config
         self.rebuild_flops = rebuild_flops
         self.flops, self.bandwidth = DEVICE_SPEED.get(device_type, DEVICE_SPEED["cuda"])
@@ -160,6 +176,8 @@ class Scheduler:
         self._failures: list[tuple[Sequence, Exception]] = []  # raised while being admitted
 
     def add(self, seq: Sequence) -> None:
+        if seq.arrival_time is None:
+            seq.arrival_time = self.clock()
         seq.status = Status.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
@@ -174,14 +192,17 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         """Requests running and waiting (or swapped out), prompt tokens served from the cache,
-        preemptions by kind, bytes swapped out and the peak of blocks in use."""
+        preemptions by kind, bytes swapped out, tokens recomputed, the most preemptions of one
+        sequence, and the peak of blocks in use."""
         running = {s.request_id for s in self.running}
         waiting = {s.request_id for s in (*self.waiting, *self.swapped)} - running
         pre = self.preemptions
         return {"requests_running": len(running), "requests_waiting": len(waiting),
                 "cached_prompt_tokens": self.cached_prompt_tokens,
                 "preemptions_recompute": pre.recompute, "preemptions_swap": pre.swap,
-                "swapped_bytes": pre.swapped_bytes, "peak_blocks_in_use": self.peak_blocks_in_use}
+                "swapped_bytes": pre.swapped_bytes, "recomputed_tokens": pre.recomputed_tokens,
+                "max_preemptions_per_request": pre.most_per_request,
+                "peak_blocks_in_use": self.peak_blocks_in_use}
 
     # -- the step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -191,16 +212,16 @@ class Scheduler:
         batch = ScheduledBatch([], [], [], [], [])
         preemptions_before = self.preemptions.recompute + self.preemptions.swap
         self.running.sort(key=lambda s: s.sort_key)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_pending, budget)
-            if not self._reserve_preempting(seq, n):
+        for seq in list(self.running):
+            if budget <= 0:
                 break
-            batch.seqs.append(seq)
-            batch.q_lens.append(n)
-            budget -= n
-            i += 1
+            if seq.status is not Status.RUNNING:
+                continue  # preempted this step to make room for another
+            n = min(seq.num_pending, budget)
+            if self._reserve_preempting(seq, n, batch):
+                batch.seqs.append(seq)
+                batch.q_lens.append(n)
+            budget = self.config.max_num_batched_tokens - sum(batch.q_lens)
         if self.preemptions.recompute + self.preemptions.swap == preemptions_before:
             budget = self._resume_swapped(batch, budget)
             if not self.swapped:
@@ -239,15 +260,26 @@ class Scheduler:
             reserved.append(gamma)
         return ScheduledBatch(seqs, q_lens, candidates, reserved, batch.failed)
 
-    def _reserve_preempting(self, seq: Sequence, n: int) -> bool:
-        """Reserve ``n`` slots for ``seq``, preempting from the back of ``running`` as needed.
-        Returns False when ``seq`` itself had to be preempted."""
+    def _reserve_preempting(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Reserve ``n`` slots for ``seq``, preempting running sequences in the policy's order as
+        needed (one this step scheduled already leaves the batch). False when ``seq`` itself was
+        preempted."""
+        victims = None
         while True:
             try:
                 self.kv.append_slots(seq.table, n)
                 return True
             except OutOfBlocksError:
-                victim = self.running.pop()
+                if victims is None:  # ranked once, when the pool first runs short
+                    victims = iter(rank_victims(list(self.running), self.config.preemption_policy,
+                                                self.config.preemption_weights,
+                                                lambda s: self.restore_estimate(s)[1],
+                                                self.clock()))
+                victim = next(victims)
+                if victim in batch.seqs:
+                    at = batch.seqs.index(victim)
+                    del batch.seqs[at], batch.q_lens[at]
+                self.running.remove(victim)
                 self._preempt(victim)
                 if victim is seq:
                     return False
@@ -330,7 +362,10 @@ class Scheduler:
     # -- after the step -------------------------------------------------------------------------
     def commit(self, seq: Sequence, n: int) -> None:
         """``n`` more tokens of ``seq`` have KV now; cache its newly completed full blocks."""
+        self.preemptions.recomputed_tokens += max(0, min(seq.num_computed + n, seq.most_computed)
+                                                  - seq.num_computed)
         seq.num_computed += n
+        seq.most_computed = max(seq.most_computed, seq.num_computed)
         bs = self.kv.block_size
         full = seq.num_computed // bs
         new = full - seq.num_cached_blocks
@@ -394,7 +429,9 @@ class Scheduler:
     # -- preemption -----------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
         self._release_images(seq)  # they stay cached; resuming takes them again
-        if self._preemption_mode(seq) == "swap":
+        seq.preemptions += 1
+        self.preemptions.most_per_request = max(self.preemptions.most_per_request, seq.preemptions)
+        if self.restore_estimate(seq)[0] == "swap":
             seq.swapped, seq.table = self.kv.swap_out(seq.table), None
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
@@ -406,15 +443,16 @@ class Scheduler:
             self.add(seq)
             self.preemptions.recompute += 1
 
-    def _preemption_mode(self, seq: Sequence) -> str:
-        mode = self.config.preemption
+    def restore_estimate(self, seq: Sequence) -> tuple[str, float]:
+        """How ``seq`` would be preempted (``"swap"`` or ``"recompute"``) and the estimated
+        seconds of bringing it back that way (the module docstring)."""
         moved = sum(self.kv.pool.refcount[b] == 1 for b in seq.table.blocks)
-        host = self.kv.host_pool
-        if host is None or host.num_free < moved:
-            return "recompute"
-        if mode != "auto":
-            return mode
         bs = self.kv.block_size
-        swap = SWAP_LATENCY + 2 * moved * self.kv.bytes_per_block / self.bandwidth
         recompute = self.rebuild_flops((len(seq.table.blocks) - moved) * bs, moved * bs) / self.flops
-        return "swap" if swap < recompute else "recompute"
+        host = self.kv.host_pool
+        if host is None or host.num_free < moved or self.config.preemption == "recompute":
+            return "recompute", recompute
+        swap = SWAP_LATENCY + 2 * moved * self.kv.bytes_per_block / self.bandwidth
+        if self.config.preemption == "swap" or swap < recompute:
+            return "swap", swap
+        return "recompute", recompute

@@ -64,6 +64,9 @@ class Sequence:
     num_computed: int = 0
     num_cached_blocks: int = 0  # full blocks of ``table`` already inserted into the radix tree
     admitted: bool = False  # has been admitted at least once (a recomputed one is re-admitted)
+    arrival_time: float | None = None  # the scheduler's clock when it was first queued
+    preemptions: int = 0  # times it was preempted (swapped out or dropped to recompute)
+    most_computed: int = 0  # the most tokens it has had K/V for: positions below are recomputed
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     finish_reason: str | None = None
     text: str = ""  # the output's text cut at a stop string, when one ended it

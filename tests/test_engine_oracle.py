@@ -92,8 +92,9 @@ def test_chunked_prefill(model_dirs, hf_oracle, budget, family):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_under_a_tiny_pool(model_dirs, hf_oracle, mode, family):
-    eng = engine(model_dirs, family, blocks=24, preemption=mode)
+@pytest.mark.parametrize("policy", ["cost", "newest"])
+def test_preemption_under_a_tiny_pool(model_dirs, hf_oracle, mode, family, policy):
+    eng = engine(model_dirs, family, blocks=24, preemption=mode, preemption_policy=policy)
     batch = prompts(7, [20, 18, 22, 16, 19])  # 5 x ~9 blocks needed, 24 available
     outs = eng.generate(batch, GREEDY)
     assert_matches_oracle(outs, batch, family, hf_oracle)
@@ -102,11 +103,14 @@ def test_preemption_under_a_tiny_pool(model_dirs, hf_oracle, mode, family):
     other = "recompute" if mode == "swap" else "swap"
     assert stats[f"preemptions_{other}"] == 0
     assert (stats["swapped_bytes"] > 0) == (mode == "swap")
+    assert (stats["recomputed_tokens"] > 0) == (mode == "recompute")  # a swapped one keeps its K/V
+    assert stats["max_preemptions_per_request"] >= 1
     assert stats["blocks_in_use"] == 0
 
 
-def test_auto_preemption_and_priorities(model_dirs, hf_oracle):
-    eng = engine(model_dirs, "mistral", blocks=24)
+@pytest.mark.parametrize("policy", ["cost", "newest"])
+def test_auto_preemption_and_priorities(model_dirs, hf_oracle, policy):
+    eng = engine(model_dirs, "mistral", blocks=24, preemption_policy=policy)
     batch = prompts(8, [20, 18, 22, 16, 19])
     params = [SamplingParams(max_tokens=16, ignore_eos=True, priority=p) for p in (1, 0, 1, 0, 2)]
     outs = eng.generate(batch, params)

@@ -18,6 +18,7 @@ import pytest
 
 from mmkv import SamplingParams
 from mmkv.server.media import MediaPolicy
+from mmkv.server.metrics import ServerMetrics
 from mmkv.synthetic import scene_prompt
 from server_harness import (MODEL_NAME, REPORT_QUESTIONS, SCENE_QUESTIONS, bundled_engine,
                             free_socket, png_data_url, report_chat, report_prompt, scene_chat,
@@ -55,8 +56,24 @@ def test_models_health_and_metric_names(served):
     for name in ("mmkv_requests_running", "mmkv_requests_waiting", "mmkv_kv_blocks_in_use",
                  "mmkv_kv_blocks_total", "mmkv_prompt_tokens_total", "mmkv_cached_prompt_tokens_total",
                  "mmkv_generation_tokens_total", "mmkv_encoder_calls_total", "mmkv_preemptions_total",
+                 "mmkv_preemptions_swap_total", "mmkv_preemptions_recompute_total",
+                 "mmkv_recomputed_tokens_total", "mmkv_swapped_bytes_total",
+                 "mmkv_max_preemptions_per_request",
                  "mmkv_time_to_first_token_seconds_count", "mmkv_request_latency_seconds_count"):
         assert name in names, name
+
+
+def test_preemption_metrics_sum_counts_and_take_the_largest_maximum():
+    """Over two replicas: counters add up, the most preemptions of one request is the larger."""
+    text = ServerMetrics().render({
+        "a": {"preemptions_swap": 2, "preemptions_recompute": 1, "recomputed_tokens": 40,
+              "max_preemptions_per_request": 3},
+        "b": {"preemptions_swap": 0, "preemptions_recompute": 4, "recomputed_tokens": 8,
+              "max_preemptions_per_request": 1}}).decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("mmkv_") and "{" not in line)
+    assert float(values["mmkv_preemptions_total"]) == 7 and float(values["mmkv_preemptions_swap_total"]) == 2
+    assert float(values["mmkv_recomputed_tokens_total"]) == 48
+    assert float(values["mmkv_max_preemptions_per_request"]) == 3
 
 
 def test_concurrent_chat_and_completions_equal_the_offline_engine(served, offline):

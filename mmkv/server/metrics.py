@@ -29,6 +29,16 @@ COUNTERS = {  # metric (without _total): (help, stats keys summed)
     "mmkv_encoder_calls": ("Vision encoder calls", ("encoder_calls",)),
     "mmkv_preemptions": ("Sequences preempted (swapped or recomputed)",
                          ("preemptions_swap", "preemptions_recompute")),
+    "mmkv_preemptions_swap": ("Preemptions that swapped the sequence to the host tier",
+                              ("preemptions_swap",)),
+    "mmkv_preemptions_recompute": ("Preemptions that dropped the sequence's K/V to recompute",
+                                   ("preemptions_recompute",)),
+    "mmkv_recomputed_tokens": ("Tokens computed again after a preemption", ("recomputed_tokens",)),
+    "mmkv_swapped_bytes": ("Bytes of K/V swapped to the host tier", ("swapped_bytes",)),
+}
+MAXIMA = {  # metric: (help, stats key), the largest over replicas
+    "mmkv_max_preemptions_per_request": ("The most times one request was preempted",
+                                         "max_preemptions_per_request"),
 }
 
 
@@ -47,6 +57,9 @@ class _EngineStats(Collector):
         for name, (text, keys) in COUNTERS.items():
             yield CounterMetricFamily(name, text, value=sum(s.get(k, 0) for s in replicas.values()
                                                            for k in keys))
+        for name, (text, key) in MAXIMA.items():
+            yield GaugeMetricFamily(name, text, value=max((s.get(key, 0) for s in replicas.values()),
+                                                          default=0))
         if len(replicas) < 2:
             return
         for name, (text, key) in GAUGES.items():

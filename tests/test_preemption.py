@@ -1,0 +1,181 @@
+"""Which sequence a full pool preempts (``mmkv.preemption``): each term of the cost ranking, the
+priority rule, the restore estimate's treatment of shared blocks, and the scheduler's use of the
+ranking, on a scheduler driven without a model (the tokens' K/V are never computed)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import mmkv.scheduler as scheduler_module
+
+from cache import KVCache, KVLayout
+from mmkv.preemption import CostWeights, preemption_cost, rank_victims
+from mmkv.sampling_params import SamplingParams
+from mmkv.scheduler import Scheduler, SchedulerConfig
+from mmkv.sequence import Sequence
+
+BLOCK = 4
+WEIGHTS = CostWeights(wait=0.1, progress=0.01, repeat=1.0)
+_ids = itertools.count()
+
+
+def sequence(prompt: int = 8, generated: int = 0, priority: int = 0, preemptions: int = 0,
+             arrival_time: float = 0.0) -> Sequence:
+    seq_id = next(_ids)
+    params = SamplingParams(max_tokens=64, ignore_eos=True, priority=priority)
+    tokens = [seq_id * 1000 + i for i in range(prompt + generated)]  # shares no block with another
+    return Sequence(seq_id=seq_id, request_id=seq_id, index=0, token_ids=tokens,
+                    prompt_len=prompt, params=params, arrival=seq_id, namespace=b"", generator=None,
+                    arrival_time=arrival_time, preemptions=preemptions)
+
+
+def first_victim(candidates: list[Sequence], restore: dict[int, float], now: float = 10.0,
+                 weights: CostWeights = WEIGHTS, policy: str = "cost") -> Sequence:
+    return rank_victims(candidates, policy, weights, lambda s: restore[s.seq_id], now)[0]
+
+
+def test_a_long_fresh_prompt_outlives_a_short_one():
+    """The long prompt arrived last (newest first would drop it) but costs far more to restore."""
+    short, long = sequence(prompt=8), sequence(prompt=400)
+    assert first_victim([short, long], {short.seq_id: 0.01, long.seq_id: 2.0}) is short
+    assert first_victim([short, long], {short.seq_id: 0.01, long.seq_id: 2.0}, policy="newest") is long
+
+
+def test_priority_dominates_the_cost():
+    urgent, cheap_or_not = sequence(priority=0), sequence(priority=3)
+    restore = {urgent.seq_id: 0.0, cheap_or_not.seq_id: 50.0}
+    assert first_victim([urgent, cheap_or_not], restore) is cheap_or_not
+    assert first_victim([urgent, cheap_or_not], restore, policy="newest") is cheap_or_not
+
+
+def test_each_earlier_preemption_raises_the_cost():
+    """Alike but for one earlier preemption: the other one goes first, though it is older."""
+    fresh, again = sequence(arrival_time=5.0), sequence(arrival_time=5.0, preemptions=1)
+    assert first_victim([fresh, again], {fresh.seq_id: 0.1, again.seq_id: 0.1}) is fresh
+    assert (preemption_cost(again, 0.1, 10.0, WEIGHTS) - preemption_cost(fresh, 0.1, 10.0, WEIGHTS)
+            == pytest.approx(WEIGHTS.repeat))
+
+
+def test_waiting_longer_raises_the_cost():
+    early, late = sequence(arrival_time=1.0), sequence(arrival_time=9.0)
+    # the early one is cheaper to restore, but it has waited 9 s to the late one's 1
+    assert first_victim([early, late], {early.seq_id: 0.3, late.seq_id: 0.5}) is late
+    assert first_victim([early, late], {early.seq_id: 0.0, late.seq_id: 0.9}) is early
+
+
+def test_progress_raises_the_cost():
+    far, fresh = sequence(generated=200, arrival_time=5.0), sequence(arrival_time=5.0)
+    # the one far along arrived last: newest first would drop it
+    assert first_victim([fresh, far], {fresh.seq_id: 0.5, far.seq_id: 0.5}) is fresh
+    assert preemption_cost(far, 0.5, 5.0, WEIGHTS) == pytest.approx(0.5 + 200 * WEIGHTS.progress)
+
+
+def test_ties_go_to_the_newest_and_weights_must_not_be_negative():
+    a, b = sequence(arrival_time=3.0), sequence(arrival_time=3.0)
+    assert first_victim([a, b], {a.seq_id: 0.2, b.seq_id: 0.2}) is b
+    with pytest.raises(ValueError, match="repeat must be >= 0"):
+        CostWeights(repeat=-1.0)
+    with pytest.raises(ValueError, match="preemption_policy must be one of"):
+        SchedulerConfig(preemption_policy="oldest")
+
+
+# -- the scheduler, without a model --------------------------------------------------------------
+
+def make_scheduler(blocks: int, policy: str, host_blocks: int = 0, now=lambda: 0.0) -> Scheduler:
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=BLOCK, dtype=torch.float32)
+    kv = KVCache(layout, blocks, num_host_blocks=host_blocks)
+    config = SchedulerConfig(max_num_batched_tokens=4096, preemption="recompute",
+                             preemption_policy=policy, preemption_weights=WEIGHTS)
+    return Scheduler(kv, config, lambda start, count: 1e9 * count, "cpu", clock=now)
+
+
+def run_step(scheduler: Scheduler) -> list[Sequence]:
+    """Schedule a step and commit it as a model would (a decoding sequence gets one token)."""
+    batch = scheduler.schedule()
+    for seq, q in zip(batch.seqs, batch.q_lens):
+        scheduler.commit(seq, q)
+        if seq.num_computed == len(seq.token_ids):
+            seq.token_ids.append(seq.token_ids[-1] + 1)
+    return batch.seqs
+
+
+def test_a_shared_prefix_costs_nothing_to_restore():
+    """Two sequences on one forked table share every block: dropping either frees nothing to
+    recompute, while a sequence of its own costs all its tokens."""
+    scheduler = make_scheduler(64, "cost")
+    own, parent = sequence(prompt=16), sequence(prompt=16)
+    for seq in (own, parent):
+        scheduler.add(seq)
+    run_step(scheduler)
+    child = sequence(prompt=16)
+    child.table, child.num_computed = scheduler.kv.fork(parent.table), parent.num_computed
+    scheduler.add_running(child)
+    _, shared = scheduler.restore_estimate(parent)
+    _, alone = scheduler.restore_estimate(own)
+    assert shared == 0.0 and alone == pytest.approx(16 * 1e9 / 1e11)
+    scheduler.finish(child)
+
+
+def test_a_full_pool_preempts_the_cheapest_not_the_newest():
+    """Three prompts fill a 16-block pool (16, 4 and 43 tokens, in that order); when the first
+    needs a block to decode, ``cost`` drops the 4-token one (the least to recompute) and
+    ``newest`` the 43-token one."""
+    for policy, expected in (("cost", "short"), ("newest", "long")):
+        scheduler = make_scheduler(16, policy)
+        old, short, long = sequence(prompt=16), sequence(prompt=4), sequence(prompt=43)
+        for seq in (old, short, long):
+            scheduler.add(seq)
+        assert run_step(scheduler) == [old, short, long] and scheduler.kv.num_available() == 0
+        assert old in run_step(scheduler)
+        victims = {name for name, seq in (("old", old), ("short", short), ("long", long))
+                   if seq.preemptions}
+        assert victims == {expected}, policy
+        assert scheduler.stats()["max_preemptions_per_request"] == 1
+        for seq in (old, short, long):
+            scheduler.finish(seq)
+
+
+# -- an engine under a steady stream -------------------------------------------------------------
+
+def serve_stream(eng, stream: list[tuple[int, list[int], SamplingParams]]) -> list[list[int]]:
+    """Each request added at its step; the outputs in arrival order."""
+    from_step = sorted(stream, key=lambda item: item[0])
+    ids, outputs, step = [], {}, 0
+    while from_step or eng.has_unfinished():
+        while from_step and from_step[0][0] <= step:
+            _, prompt, params = from_step.pop(0)
+            ids.append(eng.add_request(prompt, params))
+        for out in eng.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+        step += 1
+    return [outputs[i] for i in ids]
+
+
+def test_a_steady_stream_preempts_no_request_without_bound_under_cost(model_dirs, hf_oracle,
+                                                                       monkeypatch):
+    """Short requests arrive every other step (4-token prompts, 24-token answers) and one with a
+    48-token prompt arrives at step 20, on a 40-block pool: ``newest`` preempts one request five
+    times, ``cost`` none more than twice; both give transformers' greedy outputs. (A clock that
+    moves a millisecond a reading keeps the waiting term the same on every machine.)"""
+    from test_engine_oracle import engine
+
+    rng = random.Random(0)
+    stream = [(2 * i, [rng.randrange(256) for _ in range(4)], SamplingParams(max_tokens=24, ignore_eos=True))
+              for i in range(40)]
+    stream.append((20, [rng.randrange(256) for _ in range(48)], SamplingParams(max_tokens=8, ignore_eos=True)))
+    most = {}
+    for policy in ("newest", "cost"):
+        ticks = itertools.count()
+        monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(monotonic=lambda: next(ticks) / 1000))
+        eng = engine(model_dirs, blocks=40, preemption="recompute", preemption_policy=policy)
+        outs = serve_stream(eng, stream)
+        for (_, prompt, _), out in zip(sorted(stream, key=lambda item: item[0]), outs):
+            hf_oracle.check("llama", prompt, out)
+        most[policy] = eng.stats()["max_preemptions_per_request"]
+    assert most["newest"] >= 5 and most["cost"] <= 2, most
