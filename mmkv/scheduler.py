@@ -7,7 +7,10 @@ Order of work in a step, under a budget of ``max_num_batched_tokens``:
    prefilled in chunks). When the pool cannot hold a chunk, the running sequences are ranked by
    the preemption policy (``mmkv.preemption``: the lowest priority class first, within it the
    cheapest to preempt, or the newest) and preempted in that order until the chunk fits, possibly
-   the sequence itself; one scheduled earlier in the step leaves the batch.
+   the sequence itself; one scheduled earlier in the step leaves the batch. The cost, in seconds,
+   is ``restore + wait * waited + progress * generated + repeat * preempted`` (``restore`` below;
+   ``waited`` seconds since arrival; ``generated`` tokens; ``preempted`` times so far; the
+   weights are ``CostWeights``).
 2. Swapped sequences come back when their blocks fit, unless this step preempted.
 3. Waiting sequences are admitted in order while their first chunk fits. A waiting sequence whose
    prompt shares at least a block more with a sequence still prefilling than the cache holds yet
