@@ -58,7 +58,7 @@ def test_transparency_is_composited_over_white():
 
 
 @pytest.mark.parametrize("item, reason", [
-    (b"not an image at all", "cannot be decoded"),
+    (b"not an image at all", "cannot be decoded: not a readable image"),
     (b"", "is empty"),
     (Image.new("RGB", (0, 7)), "zero size"),
     (Image.new("RGB", (5000, 5000)), "over the limit of 10000000"),
@@ -73,6 +73,49 @@ def test_bad_images_are_named_with_the_reason(pipeline, item, reason):
     good, bad = pipeline.prepare([picture(), item], errors="return")
     assert isinstance(bad, ImageError) and bad.item == "image 1" and reason.split()[0] in str(bad)
     assert good.uid >= 1
+
+
+ACCEPTED = "accepted formats: PNG, JPEG, WebP, GIF, BMP"
+
+
+@pytest.mark.parametrize("fmt, kw", [("PNG", {}), ("JPEG", {"quality": 95}),
+                                     ("WEBP", {"lossless": True}), ("GIF", {}), ("BMP", {})])
+def test_accepted_formats_decode(fmt, kw, tmp_path):
+    img = picture(size=(6, 5))
+    data = encoded(img, fmt, **kw)
+    (tmp_path / "pic").write_bytes(data)
+    for item in (data, tmp_path / "pic"):
+        assert load_image(item).size == (6, 5)
+
+
+@pytest.mark.parametrize("fmt", ["TIFF", "ICO", "PPM", "TGA", "PCX"])
+def test_other_formats_are_refused_with_the_accepted_list(fmt, tmp_path):
+    data = encoded(picture(size=(16, 16)), fmt)
+    (tmp_path / "pic").write_bytes(data)
+    for item in (data, tmp_path / "pic", str(tmp_path / "pic")):
+        with pytest.raises(ImageError,
+                           match=rf"^photo: cannot be decoded: not a readable image \({ACCEPTED}\)$"):
+            load_image(item, "photo")
+
+
+def test_an_animated_gif_gives_its_first_frame():
+    frames = [Image.new("RGB", (4, 4), colour) for colour in ((255, 0, 0), (0, 0, 255))]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:], duration=10)
+    assert load_image(buf.getvalue()).getpixel((0, 0)) == (255, 0, 0)
+
+
+@pytest.mark.parametrize("data", [b"not an image at all", b"\x89PNG\r\n\x1a\n" + b"\x00" * 30,
+                                  encoded(picture(), "TIFF"), encoded(picture(), "PNG")[:40],
+                                  encoded(picture(size=(64, 64)), "PNG")[:300]])
+def test_errors_name_the_image_in_words_never_a_repr(pipeline, data, tmp_path):
+    (tmp_path / "bad").write_bytes(data)
+    for item in (data, tmp_path / "bad"):
+        with pytest.raises(ImageError) as caught:
+            pipeline.prepare([picture(), item], label="request 0 image")
+        message = str(caught.value)
+        assert message.startswith("request 0 image 1: ")
+        assert "object at 0x" not in message and "<_io" not in message, message
 
 
 def test_truncated_file_is_rejected():

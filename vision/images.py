@@ -1,8 +1,11 @@
 """Decoding and checking input images: PIL images, file paths or encoded bytes.
 
 Every image becomes an RGB ``PIL.Image`` with its EXIF orientation applied (transparent pixels
-are composited over white). Anything that cannot be turned into one raises ``ImageError`` naming the
-item and the reason, before any model work starts.
+are composited over white). Encoded bytes and files are decoded only as one of
+``ACCEPTED_FORMATS`` (PNG, JPEG, WebP, GIF and BMP; of an animated GIF or WebP, the first frame):
+PIL's other decoders never see untrusted data. A PIL image passed in is used as it is. Anything
+that cannot be turned into a picture raises ``ImageError`` naming the item and the reason in words
+(never a Python repr), before any model work starts.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 ImageInput = Union[Image.Image, str, Path, bytes, bytearray]
 
 DEFAULT_MAX_PIXELS = 40_000_000
+ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # PIL's names for the decoders allowed
+ACCEPTED_FORMATS_TEXT = "PNG, JPEG, WebP, GIF, BMP"
 CONVERTIBLE_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr",
                      "LAB", "HSV", "La"}
 
@@ -67,6 +72,13 @@ def _open(item: ImageInput, name: str) -> Image.Image:
     else:
         raise ImageError(name, f"must be a PIL image, a path or bytes, got {type(item).__name__}")
     try:
-        return Image.open(source)
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
+        return Image.open(source, formats=ACCEPTED_FORMATS)
+    except Image.DecompressionBombError as err:
+        raise ImageError(name, f"cannot be decoded: {err}") from err
+    except UnidentifiedImageError:  # its message holds a repr of the stream: not shown
+        raise ImageError(name, f"cannot be decoded: not a readable image (accepted formats: "
+                               f"{ACCEPTED_FORMATS_TEXT})") from None
+    except OSError as err:
+        if err.errno is not None:  # the file itself could not be read
+            raise ImageError(name, f"file {str(item)!r} cannot be read: {err.strerror}") from None
         raise ImageError(name, f"cannot be decoded: {err}") from err
