@@ -72,8 +72,10 @@ class ModelRunner:
 
     def __init__(self, model: ModelAdapter, kv: KVCache, attention: AttentionBackend,
                  image_kv: CrossAttentionKV | None, planning: AttentionPlanning,
-                 speculative: SpeculativeConfig | None = None, draft: ModelAdapter | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, draft: ModelAdapter | None = None,
+                 check_bounds: bool = False) -> None:
         self.model, self.kv, self.attention, self.image_kv = model, kv, attention, image_kv
+        self.check_bounds = check_bounds  # every step's native kernels check their page ids and slots
         self.shared_prefix = planning.shared_prefix
         self.one_call = ONE_CALL if planning.one_call_cross else None
         self.device = model.device
@@ -221,7 +223,8 @@ class ModelRunner:
         cascade = self.shared_prefix and self.model.cascade_allowed(max(kv_lens))
         meta = plan_batch([s.table.blocks for s in seqs], q_lens, kv_lens, self.kv.block_size,
                           self.device, cascade=cascade)
-        step = StepContext(meta, self.model.layer_views(self.kv.storage.stores[0]), self.attention)
+        step = StepContext(meta, self.model.layer_views(self.kv.storage.stores[0]), self.attention,
+                           check_bounds=self.check_bounds)
         if seqs[0].rope is not None:
             rope = step_positions([s.rope for s in seqs], q_lens, kv_lens)
             step.rope_positions = torch.from_numpy(rope).to(self.device)

@@ -73,15 +73,17 @@ class StepContext:
     cross: CrossBatch | None = None
     plans: dict = field(default_factory=dict)  # the backend's work prepared once for this step
     rope_positions: torch.Tensor | None = None  # long [3, T]: M-RoPE (T, H, W) positions
+    check_bounds: bool = False  # native kernels check every page id and slot first (debug engines)
 
     def next_position(self, batch: PagedBatch) -> StepContext:
         """The context of the pass that computes each sequence's next (generated) position:
         ``batch`` is that pass's metadata; M-RoPE positions advance by one on every axis."""
         rope = self.rope_positions
         return StepContext(batch, self.kv_layers, self.backend,
-                           rope_positions=None if rope is None else rope + 1)
+                           rope_positions=None if rope is None else rope + 1,
+                           check_bounds=self.check_bounds)
 
     def with_layers(self, kv_layers: list[torch.Tensor]) -> StepContext:
         """The same batch over other KV pages (a draft model's store of the same blocks), text
         only."""
-        return StepContext(self.batch, kv_layers, self.backend)
+        return StepContext(self.batch, kv_layers, self.backend, check_bounds=self.check_bounds)

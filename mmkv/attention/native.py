@@ -47,17 +47,22 @@ def supports(query: torch.Tensor, layer: torch.Tensor) -> bool:
 
 def paged_decode(q: torch.Tensor, layer: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor,
                  key_start: torch.Tensor, positions: torch.Tensor, scale: float,
-                 window: int | None, state: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                 window: int | None, state: tuple[torch.Tensor, torch.Tensor] | None,
+                 check_bounds: bool = False) -> torch.Tensor:
     """Attention output ``[d, m, q_heads, head_dim]`` of ``d`` sequences' queries ``q`` (same
     shape, at ``positions [d, m]``) over the ``lens[i]`` keys in pages ``pages[i]``, the first at
     position ``key_start[i]``; ``state`` is ``(out [d, kv_heads, m * G, D], lse [d, kv_heads,
-    m * G, 1])`` of keys the rows attended before (lse ``-inf`` where none), merged in."""
+    m * G, 1])`` of keys the rows attended before (lse ``-inf`` where none), merged in. With
+    ``check_bounds`` every input the kernel indexes is checked first (``_check``): a bad one raises
+    ``IndexError``/``ValueError`` and the kernel is not called."""
     d, m, hq, dim = q.shape
     _, _, block_size, hkv, _ = layer.shape
     q = q.contiguous()
     out = torch.empty_like(q)
     pages, lens, key_start, positions = (t.contiguous() for t in (pages, lens, key_start, positions))
     init_out, init_lse = (None, None) if state is None else (s.contiguous() for s in state)
+    if check_bounds:
+        _check(q, layer, pages, lens, key_start, positions, init_out, init_lse)
     status = kernel()(q.data_ptr(), layer.data_ptr(), DTYPES[layer.dtype], pages.data_ptr(),
                       pages.shape[1], lens.data_ptr(), key_start.data_ptr(), positions.data_ptr(),
                       d, m, block_size, hq, hkv, dim, scale, window or 0,
@@ -66,3 +71,27 @@ def paged_decode(q: torch.Tensor, layer: torch.Tensor, pages: torch.Tensor, lens
     if status:
         raise MemoryError("native decode attention could not allocate its scratch memory")
     return out
+
+
+def _check(q: torch.Tensor, layer: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor,
+           key_start: torch.Tensor, positions: torch.Tensor, init_out: torch.Tensor | None,
+           init_lse: torch.Tensor | None) -> None:
+    """What ``paged_decode`` hands the kernel, checked: page ids inside the layer and lengths
+    inside their pages (``native_library.check_pages``), and every other array of the shape the
+    kernel reads (``ValueError`` naming the array and the shape needed)."""
+    d, m, hq, dim = q.shape
+    _, _, _, hkv, layer_dim = layer.shape
+    if layer_dim != dim or hq % hkv:
+        raise ValueError(f"queries [{d}, {m}, {hq}, {dim}] do not fit a cache layer of {hkv} KV "
+                         f"heads of size {layer_dim}: head sizes must match and {hq} query heads "
+                         f"be a multiple of {hkv}")
+    native_library.check_index_shape("pages", pages, (d, None))
+    native_library.check_pages(layer, pages, lens)
+    native_library.check_index_shape("key_start", key_start, (d,))
+    native_library.check_index_shape("positions", positions, (d, m))
+    rows = m * (hq // hkv)
+    for name, state, shape in (("state's out", init_out, (d, hkv, rows, dim)),
+                               ("state's lse", init_lse, (d, hkv, rows, 1))):
+        if state is not None and (state.dtype != torch.float32 or tuple(state.shape) != shape):
+            raise ValueError(f"{name} is {state.dtype} {tuple(state.shape)}; the kernel reads "
+                             f"float32 {shape}")

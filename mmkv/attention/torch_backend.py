@@ -52,9 +52,10 @@ def compute_dtype(query: torch.Tensor) -> torch.dtype:
 
 
 def attention(query: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale: float,
-              sliding_window: int | None = None) -> torch.Tensor:
+              sliding_window: int | None = None, check_bounds: bool = False) -> torch.Tensor:
     """Attention output ``[T, q_heads, head_dim]`` for the packed queries ``[T, q_heads, head_dim]``
-    (their K/V must already be written)."""
+    (their K/V must already be written). ``check_bounds``: the native kernel checks its pages and
+    lengths before it reads them (``native.paged_decode``)."""
     if sliding_window is not None and batch.cascade_groups and max(batch.kv_lens) > sliding_window:
         raise ValueError("cascade plans need a window covering every sequence; plan without cascade")
     dtype = compute_dtype(query)
@@ -63,7 +64,8 @@ def attention(query: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale
         plan = batch.decode[0]  # every row in one plan, in order (decoding, a draft pass, a
         # verification with equal drafts): viewed in place, no gather, scatter or output buffer
         q = q_all.view(*plan.rows.shape, *q_all.shape[1:])
-        return _decode(q, layer, plan, batch.block_size, scale, sliding_window).reshape(query.shape).to(query.dtype)
+        return _decode(q, layer, plan, batch.block_size, scale, sliding_window,
+                       check_bounds).reshape(query.shape).to(query.dtype)
     out = torch.empty_like(q_all)
     qo = batch.host.qo_indptr.tolist() if batch.prefill else None
     for i, pages in zip(batch.prefill, batch.prefill_pages):
@@ -71,7 +73,8 @@ def attention(query: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale
         start, end = qo[i], qo[i + 1]
         out[start:end] = _attend_one(q_all[start:end], k, v, batch.kv_lens[i], scale, sliding_window)
     for plan in batch.decode:
-        out[plan.rows] = _decode(q_all[plan.rows], layer, plan, batch.block_size, scale, sliding_window)
+        out[plan.rows] = _decode(q_all[plan.rows], layer, plan, batch.block_size, scale, sliding_window,
+                                 check_bounds)
     return out.to(query.dtype)
 
 
@@ -130,12 +133,13 @@ def _attend_past_and_diagonal(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tenso
 
 
 def _decode(q: torch.Tensor, layer: torch.Tensor, plan: DecodePlan, block_size: int, scale: float,
-            window: int | None) -> torch.Tensor:
+            window: int | None, check_bounds: bool = False) -> torch.Tensor:
     """Attention of ``d`` sequences' short queries ``[d, m, Hq, D]`` (padded to ``m`` each)."""
     d, m, hq, dim = q.shape
     if native.supports(q, layer):
         return native.paged_decode(q, layer, plan.pages, plan.lens, plan.key_start, plan.positions,
-                                   scale, window, _shared_state(q, layer, plan, block_size, scale))
+                                   scale, window, _shared_state(q, layer, plan, block_size, scale),
+                                   check_bounds)
     if d == 1 and not plan.groups:  # one sequence alone: no padding to mask, no states to merge
         k, v = gather_kv(layer, plan.pages[0], plan.host_lens[0], q.dtype)
         return _attend_one(q[0], k, v, plan.host_lens[0], scale, window)[None]
@@ -216,18 +220,19 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 
 def cross_attention(query: torch.Tensor, layer: torch.Tensor, cross: CrossBatch,
-                    scale: float) -> torch.Tensor:
+                    scale: float, check_bounds: bool = False) -> torch.Tensor:
     """Non-causal attention of packed queries ``[T, q_heads, head_dim]`` over their images' K/V
     pages; rows of sequences without images get zeros. When the plan allows it
     (``CrossBatch.one_call``), the native decode kernel attends all groups in one call where
-    they lie; otherwise each group gathers its pages and runs SDPA with its mask."""
+    they lie; otherwise each group gathers its pages and runs SDPA with its mask. ``check_bounds``:
+    as in ``attention``."""
     out = torch.zeros_like(query)
     batch = cross.one_call
     if batch is not None and native.supports(q := query.to(compute_dtype(query)), layer):
         d, m = batch.positions.shape
         q = q.index_select(0, batch.queries).view(d, m, *query.shape[1:])
         o = native.paged_decode(q, layer, batch.pages, batch.lens, batch.key_start, batch.positions,
-                                scale, None, None).view(d * m, *query.shape[1:])
+                                scale, None, None, check_bounds).view(d * m, *query.shape[1:])
         o = o if batch.slots is None else o.index_select(0, batch.slots)
         return out.index_copy_(0, batch.rows, o.to(query.dtype))
     for group in cross.groups:
@@ -252,11 +257,11 @@ class TorchBackend(AttentionBackend):
 
     def attention(self, step: StepContext, query: torch.Tensor, layer: torch.Tensor, scale: float,
                   sliding_window: int | None) -> torch.Tensor:
-        return attention(query, layer, step.batch, scale, sliding_window)
+        return attention(query, layer, step.batch, scale, sliding_window, step.check_bounds)
 
     def cross_attention(self, step: StepContext, query: torch.Tensor, layer: torch.Tensor,
                         scale: float) -> torch.Tensor:
-        return cross_attention(query, layer, step.cross, scale)
+        return cross_attention(query, layer, step.cross, scale, step.check_bounds)
 
     def write_image_kv(self, layer: torch.Tensor, pages: list[int], start: int, key: torch.Tensor,
                        value: torch.Tensor) -> None:

@@ -215,6 +215,8 @@ class FusedDecoderLayer:
                 and qkv.dtype == cos.dtype == signed_sin.dtype == layer.dtype == torch.float32
                 and layer.is_contiguous()
                 and qkv.stride(-1) == cos.stride(-1) == signed_sin.stride(-1) == 1):
+            if step.check_bounds:  # the kernel writes K/V rows at write_slots unchecked
+                native.check_slots(layer, step.batch.write_slots, 2 * t)
             q = torch.empty((t, self.num_heads, self.head_dim), dtype=qkv.dtype)  # K, V: the cache
             self.rope_write(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), cos.stride(0),
                             signed_sin.data_ptr(), signed_sin.stride(0), q.data_ptr(), layer.data_ptr(),
