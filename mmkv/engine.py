@@ -80,7 +80,7 @@ class Engine:
         self.max_model_len = min(max_model_len or self.model.max_model_len, self.model.max_model_len)
         self.preparer = RequestPreparer(self.model, Path(model), self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.attention, self.image_kv,
-                                  self.attention_planning, speculative, draft)
+                                  self.attention_planning, speculative, draft, check_bounds=debug)
         self.scheduler_config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, preemption,
                                                 enable_prefix_caching, preemption_policy,
                                                 preemption_weights or CostWeights())
@@ -116,9 +116,19 @@ class Engine:
                     cache_salt: str | None = None, chat: bool = False) -> int:
         """Queue one request; returns its id. Raises ``ValueError`` for input it cannot serve
         (``vision.ImageError`` for a bad image), leaving everything else untouched."""
-        return self._queue(self.preparer.prepare(prompt, params, cache_salt, chat))
+        return self.add_prepared(self.prepare_request(prompt, params, cache_salt, chat))
 
-    def _queue(self, req: PreparedRequest) -> int:
+    def prepare_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                        cache_salt: str | None = None, chat: bool = False,
+                        label: str = "request") -> PreparedRequest:
+        """Everything ``add_request`` does before queueing (tokenizing, the chat template, the
+        images, every check), on any thread: it touches no engine state but the image registry,
+        which is locked. Raises ``ValueError`` as ``add_request`` does (``label`` names it)."""
+        return self.preparer.prepare(prompt, params, cache_salt, chat, label)
+
+    def add_prepared(self, req: PreparedRequest) -> int:
+        """Queue a request ``prepare_request`` made; returns its id. Runs on the thread that
+        steps the engine, and costs no input work."""
         request_id = self.requests.new_id()
         params, seed = req.params, req.params.seed
         generators = [torch.Generator().manual_seed(seed + i) if seed is not None else None
@@ -134,13 +144,13 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]], label: str = "request") -> list[int]:
         """Token ids of ``messages`` (``{"role", "content"}``; content a string or a list of
         ``{"type": "text", "text"}`` and ``{"type": "image"}`` parts) rendered by the model's chat
         template with the generation prompt; each image part becomes the model's image token, for
-        an image passed with the prompt. ``ValueError`` when the model has no chat template or the
-        template refuses the messages."""
-        return self.preparer.render_chat(messages)
+        an image passed with the prompt. ``ValueError`` when the model has no chat template, the
+        template refuses the messages, or their text cannot fit ``max_model_len``. Any thread."""
+        return self.preparer.render_chat(messages, label)
 
     # -- running --------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -228,7 +238,7 @@ class Engine:
                 if errors == "raise":
                     raise
                 prepared.append(err)
-        ids = [self._queue(r) if isinstance(r, PreparedRequest) else None for r in prepared]
+        ids = [self.add_prepared(r) if isinstance(r, PreparedRequest) else None for r in prepared]
         results = self._run_to_completion(ids, use_tqdm, errors)
         return [results[i] if i is not None else RequestOutput(-1, [], [], True, 0, error=str(r))
                 for i, r in zip(ids, prepared)]

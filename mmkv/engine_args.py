@@ -1,41 +1,63 @@
-"""Engine options as command-line flags: one definition for ``mmkv serve`` and its Ray replicas."""
+"""Engine options as command-line flags: one definition for ``mmkv serve`` and its Ray replicas.
+
+Defining the flags imports nothing heavy, so the command parses its arguments (and answers
+``--help``) before torch and transformers load; ``engine_from_args`` loads them.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmkv.bundled import BUNDLED_MODEL, BUNDLED_SPECULATION
-from mmkv.engine import Engine
 from mmkv.preemption import POLICIES
-from speculative.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from mmkv.engine import Engine
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The model directory (positional, default: the bundled model) and the engine's flags."""
     p.add_argument("model", nargs="?", type=Path, default=BUNDLED_MODEL,
-                   help="model directory (Hugging Face layout); default: the bundled tiny VLM")
+                   help="model directory in Hugging Face layout (default: the bundled tiny VLM)")
     engine = p.add_argument_group("engine")
-    engine.add_argument("--kv-cache-memory", default="1GiB")
-    engine.add_argument("--host-kv-memory", default="1GiB")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--max-model-len", type=int)
-    engine.add_argument("--device", default="auto")
-    engine.add_argument("--dtype", default="auto")
-    engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument("--eviction-policy", default="lru", choices=("lru", "fifo", "cost"))
-    engine.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"))
-    engine.add_argument("--preemption-policy", default="cost", choices=POLICIES)
-    engine.add_argument("--speculative", choices=("early_exit", "draft_model"))
-    engine.add_argument("--draft-model", type=Path)
-    engine.add_argument("--num-speculative-tokens", type=int)
+    engine.add_argument("--kv-cache-memory", default="1GiB",
+                        help="bytes of the device KV pool, e.g. 4GiB")
+    engine.add_argument("--host-kv-memory", default="1GiB",
+                        help="bytes of the host tier that preempted sequences swap to")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    engine.add_argument("--max-num-seqs", type=int, default=256, help="sequences one step runs")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="tokens one step computes (long prompts are prefilled in chunks)")
+    engine.add_argument("--max-model-len", type=int,
+                        help="the most tokens a sequence holds (default: the model's); a prompt of "
+                             "more characters than this times its tokenizer's longest token is "
+                             "refused before it is tokenized")
+    engine.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when present)")
+    engine.add_argument("--dtype", default="auto",
+                        help="float32 or bfloat16; auto: float32 on the CPU, the checkpoint's on a GPU")
+    engine.add_argument("--no-prefix-caching", action="store_true",
+                        help="share no prefix or image across requests")
+    engine.add_argument("--eviction-policy", default="lru", choices=("lru", "fifo", "cost"),
+                        help="which cached blocks are evicted first")
+    engine.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"),
+                        help="how a preempted sequence's KV is kept: auto picks the cheaper")
+    engine.add_argument("--preemption-policy", default="cost", choices=POLICIES,
+                        help="which running sequence gives way when the pool is full")
+    engine.add_argument("--speculative", choices=("early_exit", "draft_model"),
+                        help="speculative decoding (default: none)")
+    engine.add_argument("--draft-model", type=Path, help="the draft model for --speculative draft_model")
+    engine.add_argument("--num-speculative-tokens", type=int,
+                        help="the most draft tokens a round (default: the method's)")
 
 
 def engine_from_args(args: argparse.Namespace) -> Engine:
     """The ``Engine`` the flags describe (on the bundled model, speculation takes the settings
     measured fastest on it)."""
+    from mmkv.engine import Engine  # torch and transformers load here, when an engine is built
+    from speculative.config import SpeculativeConfig
+
     speculative = None
     if args.speculative is not None:
         options = dict(BUNDLED_SPECULATION) if args.model == BUNDLED_MODEL else {}

@@ -57,6 +57,9 @@ class RequestPreparer:
         # what outputs decode their text with (the tokenizer's, so outputs never hold the engine)
         self.decode = (functools.partial(decode_text, self.tokenizer)
                        if self.tokenizer is not None else None)
+        # No token stands for more characters than its own text has, so a prompt longer than this
+        # cannot fit max_model_len tokens: it is refused before it is tokenized.
+        self.max_prompt_chars = max_model_len * longest_token(self.tokenizer)
 
     def prepare(self, prompt: Prompt, params: SamplingParams | None = None,
                 cache_salt: str | None = None, chat: bool = False,
@@ -89,23 +92,34 @@ class RequestPreparer:
                                                     else frozenset(self.eos_token_ids))
         return PreparedRequest(token_ids, seq_images, params, namespace, stop, rope)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """``render_chat`` with this model's tokenizer."""
+    def render_chat(self, messages: list[dict[str, Any]], label: str = "request") -> list[int]:
+        """``render_chat`` with this model's tokenizer; messages whose text is longer than
+        ``max_prompt_chars`` are refused before they are rendered."""
+        self._check_chars(sum(len(text) for text in _message_texts(messages)), label)
         return render_chat(self.tokenizer, messages)
+
+    def _check_chars(self, n: int, label: str) -> None:
+        if n > self.max_prompt_chars:
+            raise ValueError(f"{label}: prompt has {n} characters; at most {self.max_prompt_chars} "
+                             f"can fit in max_model_len ({self.max_model_len} tokens)")
 
     def _tokenize(self, prompt: str | list[int], chat: bool, label: str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{label}: this model directory has no tokenizer: pass token ids")
+            self._check_chars(len(prompt), label)
             if self.model.image_token_id is not None:
                 markup = (self.model.image_markup
                           or self.tokenizer.convert_ids_to_tokens(self.model.image_token_id))
                 prompt = prompt.replace(IMAGE_PLACEHOLDER, markup)
             if chat:
-                ids = self.render_chat([{"role": "user", "content": prompt}])
+                ids = self.render_chat([{"role": "user", "content": prompt}], label)
             else:
                 ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
+            if len(prompt) >= self.max_model_len:
+                raise ValueError(f"{label}: prompt has {len(prompt)} tokens; max_model_len is "
+                                 f"{self.max_model_len} (prompt plus at least one generated token)")
             limit = len(self.model.text_model.embed_tokens.weight)
             for t in prompt:
                 if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limit:
@@ -187,6 +201,25 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
 def decode_text(tokenizer: Any, token_ids: list[int]) -> str:
     """The text of ``token_ids``, special tokens left out."""
     return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def longest_token(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` stands for (1 without a tokenizer)."""
+    if tokenizer is None:
+        return 1
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(t) for t in tokens if t), default=1)
+
+
+def _message_texts(messages: list[dict[str, Any]]) -> list[str]:
+    texts = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [p.get("text") or "" for p in content if isinstance(p, dict)]
+    return texts
 
 
 def load_tokenizer(path: Path, config) -> Any:

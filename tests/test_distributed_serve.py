@@ -18,7 +18,7 @@ from ray import serve
 
 from mmkv import SamplingParams
 from mmkv.distributed import serve_app
-from mmkv.server.launch import add_arguments
+from mmkv.cli import add_serve_arguments
 from mmkv.synthetic import scene_prompt
 from server_harness import (MODEL_NAME, bundled_engine, free_socket, png_data_url, scene_chat,
                             scenes_and_reports)
@@ -35,7 +35,7 @@ def url():
     import argparse
 
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    add_serve_arguments(parser)
     args = parser.parse_args(["--replicas", "2", "--replica-cpus", "0.5", "--kv-cache-memory", "32MiB",
                               "--host-kv-memory", "4MiB", "--served-model-name", MODEL_NAME,
                               "--route-imbalance-threshold", str(THRESHOLD),

@@ -298,10 +298,11 @@ def test_a_request_that_fails_inside_the_engine_fails_alone(served):
     assert served.wait_idle()["mmkv_kv_blocks_in_use"] == 0
 
 
-def test_api_key_guards_every_route():
+def test_api_key_guards_every_route_but_health():
     running = start_server(bundled_engine(kv_cache_memory="4MiB"), api_key="sesame")
     try:
-        for method, path in (("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"),
+        assert httpx.get(f"{running.url}/health").status_code == 200
+        for method, path in (("GET", "/metrics"), ("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL_NAME}"),
                              ("POST", "/v1/completions"), ("POST", CHAT), ("GET", "/nowhere")):
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
                 r = httpx.request(method, f"{running.url}{path}", headers=headers)

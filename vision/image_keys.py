@@ -12,6 +12,7 @@ no-false-sharing guarantee without tracking who still holds KV under an old uid.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -61,7 +62,9 @@ class _Entry:
 
 
 class ImageRegistry:
-    """Maps preprocessed images to confirmed uids (>= 1), keeping at most ``max_bytes`` of them."""
+    """Maps preprocessed images to confirmed uids (>= 1), keeping at most ``max_bytes`` of them.
+    Safe to call from several threads (a server prepares requests on worker threads): the key is
+    computed outside the lock, the lookup and insertion under it."""
 
     def __init__(self, max_bytes: int = 256 << 20,
                  key_fn: Callable[[Inputs, str], bytes] = image_key) -> None:
@@ -71,14 +74,19 @@ class ImageRegistry:
         self._lru: OrderedDict[int, _Entry] = OrderedDict()
         self._bytes = 0
         self._next_uid = 1
+        self._lock = threading.Lock()
 
     def identify(self, inputs: Inputs, identity: str) -> tuple[int, bytes]:
         """``(uid, key)`` of a preprocessed image; equal tensors give the same uid."""
         key = self._key_fn(inputs, identity)
+        with self._lock:
+            return self._confirm(key, inputs), key
+
+    def _confirm(self, key: bytes, inputs: Inputs) -> int:
         for entry in self._by_key.get(key, ()):
             if _same(entry.inputs, inputs):
                 self._lru.move_to_end(entry.uid)
-                return entry.uid, key
+                return entry.uid
         entry = _Entry(key, self._next_uid, {k: v.detach().clone() for k, v in inputs.items()})
         self._next_uid += 1
         self._by_key.setdefault(key, []).append(entry)
@@ -90,7 +98,7 @@ class ImageRegistry:
             if not self._by_key[old.key]:
                 del self._by_key[old.key]
             self._bytes -= _nbytes(old.inputs)
-        return entry.uid, key
+        return entry.uid
 
     def __len__(self) -> int:
         return len(self._lru)

@@ -48,7 +48,7 @@ class EngineReplica:
 
     def _beat(self) -> None:
         while not self._stop.is_set():
-            alive = int(self.front.running())
+            alive = int(self.front.running() and not self.front.stalled())
             ray.get(self.board.report.remote(self.name, {**self.front.stats, "engine_alive": alive}))
             self._stop.wait(HEARTBEAT_S)
 
@@ -56,14 +56,16 @@ class EngineReplica:
         return ReplicaInfo(self.front.engine.tokenizer, self.front.engine.max_model_len)
 
     async def generate(self, prompts: list, params: SamplingParams, cache_salt: str | None,
-                       stream: bool, affinity: str | None = None):
+                       stream: bool, strict_max_tokens: bool = False, affinity: str | None = None):
         """``AsyncEngine.generate``'s items; ``affinity`` is read by the router only."""
-        async for item in self.front.generate(prompts, params, cache_salt, stream):
+        async for item in self.front.generate(prompts, params, cache_salt, stream, strict_max_tokens):
             yield item
 
     def check_health(self) -> None:
         if not self.front.running():
             raise RuntimeError(f"replica {self.name}: the engine thread has ended")
+        if self.front.stalled():
+            raise RuntimeError(f"replica {self.name}: the engine thread is stuck in one step")
 
     def __del__(self) -> None:
         self._stop.set()

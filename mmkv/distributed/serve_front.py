@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from mmkv import RequestOutput, SamplingParams
 from mmkv.distributed.affinity import image_affinity, prefix_affinity
-from mmkv.preparer import render_chat
+from mmkv.preparer import longest_token, render_chat
 from mmkv.server.async_engine import Admission, ChatPrompt, Ticket
 
 STALE_S = 2.0  # a replica silent for this long (8 heartbeats) counts as down
@@ -48,10 +48,13 @@ class ReplicaSetFront:
         self.prefix_tokens = prefix_tokens
         self.tokenizer: Any = None
         self.max_model_len = 0
+        self.prefix_chars = 0
 
     async def open(self) -> None:
         info: ReplicaInfo = await self.handle.describe.remote()
         self.tokenizer, self.max_model_len = info.tokenizer, info.max_model_len
+        # the affinity key reads a prompt's first tokens: these many characters always hold them
+        self.prefix_chars = self.prefix_tokens * longest_token(self.tokenizer)
 
     async def close(self) -> None:
         """Nothing to stop here: each replica aborts its own requests when it shuts down."""
@@ -60,11 +63,12 @@ class ReplicaSetFront:
         return self.admission.admit(n)
 
     async def generate(self, prompts: list[Any], params: SamplingParams, cache_salt: str | None = None,
-                       stream: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
+                       stream: bool = True, strict_max_tokens: bool = False
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """As ``AsyncEngine.generate``, on the replica the router picks for the first prompt's key."""
-        key = await self.affinity(prompts[0], cache_salt)
+        key = await asyncio.to_thread(self.affinity, prompts[0], cache_salt)
         call = self.handle.options(stream=True).generate.remote(prompts, params, cache_salt, stream,
-                                                                affinity=key)
+                                                                strict_max_tokens, affinity=key)
         try:
             async for item in call:
                 yield item
@@ -73,17 +77,17 @@ class ReplicaSetFront:
         finally:
             call.cancel()
 
-    async def affinity(self, prompt: Any, cache_salt: str | None) -> str | None:
+    def affinity(self, prompt: Any, cache_salt: str | None) -> str | None:
         """The prompt's affinity key; None when it cannot be computed here (the replica will
-        then refuse the prompt with the reason). An image is decoded and hashed in a worker
-        thread, off the event loop that relays every replica's stream."""
+        then refuse the prompt with the reason). Runs on a worker thread, off the event loop that
+        relays every replica's stream; text is tokenized only as far as the key reads it."""
         try:
             if isinstance(prompt, ChatPrompt) and prompt.images:
-                return await asyncio.to_thread(image_affinity, prompt.images[0], cache_salt)
+                return image_affinity(prompt.images[0], cache_salt)
             if isinstance(prompt, ChatPrompt):
                 ids = render_chat(self.tokenizer, prompt.messages)
             elif isinstance(prompt, str):
-                ids = self.tokenizer.encode(prompt)
+                ids = self.tokenizer.encode(prompt[:self.prefix_chars])
             else:
                 ids = prompt
             return prefix_affinity(list(ids), self.prefix_tokens, cache_salt)

@@ -2,10 +2,16 @@
 replicas on Ray Serve (``mmkv.distributed``).
 
 A generation request is checked in this order, so refusals cost nothing: API key (401), body size
-(413), JSON and fields (400), model name (404), admission limit (503 with ``Retry-After``); only
-then are its images loaded (400 when refused) and is it submitted (400 when the engine refuses the
-prompt). From then on a client that disconnects, streaming or not, has its requests aborted: their
-blocks are free before the engine's next step.
+(413), JSON and fields (400; parsed on a worker thread, so a large body never holds the event
+loop), model name (404), admission limit (503 with ``Retry-After``, counted in sequences: prompts
+times ``n``; 400 for a request that could never be admitted); only then are its images loaded, all
+at once (400 when refused), and is it prepared off the engine thread and submitted (400 when the
+engine refuses the prompt, or when an explicit ``max_tokens`` cannot follow it within
+``max_model_len``). From then on a client that disconnects, streaming or not, has its requests
+aborted (its image loads cancelled): their blocks are free before the engine's next step.
+
+``/health`` needs no API key and no engine work: 200 while the engine is alive and not stalled.
+Every request leaves one access-log line (status, tokens, latency).
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from mmkv import RequestOutput, SamplingParams
-from mmkv.server.async_engine import (ChatPrompt, EngineOverloaded, EngineStopped, RequestFailed,
-                                      Ticket)
+from mmkv.server.async_engine import (Admission, ChatPrompt, EngineOverloaded, EngineStopped,
+                                      RequestFailed, Ticket)
 from mmkv.server.media import MediaLoader
 from mmkv.server.metrics import ServerMetrics
 from mmkv.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -35,6 +41,7 @@ from mmkv.server.responses import (ChoiceStream, Header, chat_chunk, chat_comple
 from mmkv.server.settings import ServerSettings
 
 log = logging.getLogger("mmkv.server")
+access_log = logging.getLogger("mmkv.server.access")
 
 
 class _ClientGone(Exception):
@@ -48,12 +55,14 @@ class Front(Protocol):
 
     tokenizer: Any
     max_model_len: int
+    admission: Admission
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...
     def admit(self, n: int) -> Ticket: ...
     def generate(self, prompts: list[Any], params: SamplingParams, cache_salt: str | None = None,
-                 stream: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]: ...
+                 stream: bool = True, strict_max_tokens: bool = False
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]: ...
     async def healthy(self) -> bool: ...
     async def replica_stats(self) -> dict[str, dict[str, int]]: ...
 
@@ -86,6 +95,7 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
                     sum(s.get("blocks_in_use", 0) for s in stats.values()))
 
     app = FastAPI(lifespan=lifespan, title="mmkv", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_AccessLog)
     if settings.api_key:
         app.add_middleware(_RequireKey, key=settings.api_key)
     app.add_exception_handler(ApiError, _error_response)
@@ -100,50 +110,62 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
     async def prometheus() -> Response:
         return Response(metrics.render(await front.replica_stats()), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": settings.served_model_name, "object": "model", "created": 0,
+                "owned_by": "mmkv", "max_model_len": front.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model",
-                                             "created": 0, "owned_by": "mmkv",
-                                             "max_model_len": front.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        _check_model(model, settings)
+        return model_card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse(ChatCompletionRequest, await _read_body(request, settings.max_body_bytes))
-        _check_model(req.model, settings)
-        max_tokens = req.max_completion_tokens or req.max_tokens or front.max_model_len
-        params = req.sampling_params(max_tokens, req.requested_logprobs())
+        req = await _parse(ChatCompletionRequest, request, settings)
+        explicit = req.max_completion_tokens or req.max_tokens
+        params = req.sampling_params(explicit or front.max_model_len, req.requested_logprobs())
         messages, urls = _template_messages(req.messages)
         if len(urls) > settings.max_images_per_request:
             raise ApiError(400, f"{len(urls)} images in one request; at most "
                                 f"{settings.max_images_per_request}", param="messages")
-        ticket = _admit(front, 1, settings)
+        ticket = _admit(front, params.n, settings)
         try:
-            images = [await media.load(url) for url in urls]
-            prompt = ChatPrompt(messages, images)
+            images = await _unless_disconnected(request, media.load_all(urls))
+        except _ClientGone:
+            ticket.release()
+            return Response(status_code=499)
         except ValueError as err:
             ticket.release()
             raise ApiError(400, str(err), param="messages") from None
-        return await respond(request, ticket, [prompt], params, req, Header("chat", req.model))
+        return await respond(request, ticket, [ChatPrompt(messages, images)], params, req,
+                             Header("chat", req.model), strict=explicit is not None)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse(CompletionRequest, await _read_body(request, settings.max_body_bytes))
-        _check_model(req.model, settings)
+        req = await _parse(CompletionRequest, request, settings)
         prompts = req.prompts()
         params = req.sampling_params(req.max_tokens, req.logprobs)
-        ticket = _admit(front, len(prompts), settings)
-        return await respond(request, ticket, prompts, params, req, Header("completion", req.model))
+        ticket = _admit(front, len(prompts) * params.n, settings)
+        return await respond(request, ticket, prompts, params, req, Header("completion", req.model),
+                             strict="max_tokens" in req.model_fields_set)
 
     async def respond(request: Request, ticket: Ticket, prompts: list, params: SamplingParams,
-                      req: ChatCompletionRequest | CompletionRequest, header: Header) -> Response:
+                      req: ChatCompletionRequest | CompletionRequest, header: Header,
+                      strict: bool) -> Response:
         arrival = time.perf_counter()
-        outputs = front.generate(prompts, params, req.cache_salt, stream=req.stream)
+        outputs = front.generate(prompts, params, req.cache_salt, stream=req.stream,
+                                 strict_max_tokens=strict)
         timer = _Timer(metrics, arrival)
         try:
             if not req.stream:
                 finals = await _unless_disconnected(request, _collect(outputs, len(prompts), timer))
                 ticket.release()
                 timer.done()
+                request.state.usage = usage(finals)
                 if header.kind == "chat":
                     return JSONResponse(chat_completion(header, finals[0], token_text))
                 return JSONResponse(completion(header, finals, token_text))
@@ -155,7 +177,8 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
             ticket.release()
             await outputs.aclose()
             raise _api_error(err) from None
-        events = _events(header, first, outputs, prompts, params, req.include_usage, token_text, timer)
+        events = _events(header, first, outputs, prompts, params, req.include_usage, token_text,
+                         timer, request.state)
         return _EventStream(events, ticket)
 
     return app
@@ -188,9 +211,10 @@ async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int,
 
 async def _events(header: Header, first: tuple[int, RequestOutput],
                   outputs: AsyncIterator[tuple[int, RequestOutput]], prompts: list,
-                  params: SamplingParams, include_usage: bool, token_text, timer: _Timer
-                  ) -> AsyncIterator[str]:
-    """SSE chunks of one streamed response; closing it aborts what still runs."""
+                  params: SamplingParams, include_usage: bool, token_text, timer: _Timer,
+                  state: Any) -> AsyncIterator[str]:
+    """SSE chunks of one streamed response; closing it aborts what still runs. Its usage goes
+    to ``state.usage`` for the access log."""
     hold = max((len(s) for s in params.stop), default=1) - 1
     choices = [[ChoiceStream(hold) for _ in range(params.n)] for _ in prompts]
     finals: list[RequestOutput | None] = [None] * len(prompts)
@@ -216,9 +240,10 @@ async def _events(header: Header, first: tuple[int, RequestOutput],
                     choice = index * params.n + c.index
                     yield sse(completion_chunk(header, choice, delta, c.finish_reason, lp))
         timer.done()
+        state.usage = usage(finals)
         if include_usage:
             object_ = "chat.completion.chunk" if header.kind == "chat" else "text_completion"
-            yield sse(header.body(object_, [], usage=usage(finals)))
+            yield sse(header.body(object_, [], usage=state.usage))
     except (RequestFailed, EngineStopped) as err:
         yield sse(_api_error(err).body())
     finally:
@@ -269,9 +294,9 @@ async def _disconnect(request: Request) -> None:
 async def _error_response(_: Request, err: Exception) -> Response:
     if isinstance(err, HTTPException):  # no such route, method not allowed
         return ApiError(err.status_code, str(err.detail)).response()
-    if not isinstance(err, ApiError):
-        log.exception("request failed", exc_info=err)
-        err = ApiError(500, f"internal error: {type(err).__name__}: {err}", type="server_error")
+    if not isinstance(err, ApiError):  # a bug: logged whole, the client learns nothing of it
+        log.error("request failed", exc_info=err)
+        err = ApiError(500, "internal error (logged by the server)", type="server_error")
     return err.response()
 
 
@@ -288,6 +313,11 @@ def _api_error(err: BaseException) -> ApiError | BaseException:
 
 
 def _admit(front: Front, n: int, settings: ServerSettings) -> Ticket:
+    """Places for ``n`` sequences, or the error that says why not."""
+    limit = front.admission.max_pending
+    if n > limit:
+        raise ApiError(400, f"this request runs {n} sequences (prompts times n); the server admits "
+                            f"at most {limit} at once", param="n")
     try:
         return front.admit(n)
     except EngineOverloaded as err:
@@ -302,6 +332,20 @@ def _check_model(name: str, settings: ServerSettings) -> None:
     if name != settings.served_model_name:
         raise ApiError(404, f"model {name!r} does not exist; this server serves "
                             f"{settings.served_model_name!r}", param="model", code="model_not_found")
+
+
+async def _parse(model: type, request: Request, settings: ServerSettings) -> Any:
+    """The request body read (within the size limit) and parsed on a worker thread, its model
+    name and priority checked."""
+    req = await asyncio.to_thread(parse, model, await _read_body(request, settings.max_body_bytes))
+    _check_model(req.model, settings)
+    low, high = settings.client_priority
+    if not low <= req.priority <= high:
+        allowed = ("0 (start the server with --allow-client-priority MIN MAX to let clients set "
+                   "priorities)" if (low, high) == (0, 0) else f"{low} to {high}")
+        raise ApiError(400, f"priority {req.priority} is not allowed; allowed: {allowed}",
+                       param="priority")
+    return req
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -336,15 +380,16 @@ def _template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]
 
 
 class _RequireKey:
-    """ASGI middleware: every HTTP route needs ``Authorization: Bearer <key>`` (constant-time
-    comparison)."""
+    """ASGI middleware: every HTTP route but ``/health`` needs ``Authorization: Bearer <key>``
+    (constant-time comparison). Load balancers probe ``/health`` without credentials; it
+    answers a status and nothing else."""
 
     def __init__(self, app, key: str) -> None:
         self.app = app
         self.expected = f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope["path"] != "/health":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",
@@ -352,3 +397,34 @@ class _RequireKey:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _AccessLog:
+    """ASGI middleware: one INFO line per HTTP request, when its response is done: method, path,
+    status, prompt / cached / completion tokens where it generated, and latency."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), [0]
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            used = scope.get("state", {}).get("usage")
+            tokens = ""
+            if used is not None:
+                cached = (used.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                tokens = (f" prompt={used['prompt_tokens']} cached={cached} "
+                          f"completion={used['completion_tokens']}")
+            access_log.info("%s %s %s%s %.3fs", scope["method"], scope["path"], status[0] or 499,
+                            tokens, time.perf_counter() - start)

@@ -1,12 +1,17 @@
 """The async front of one ``Engine``: a thread owns it, coroutines submit work and await outputs.
 
-Only the engine thread touches the ``Engine``. It takes commands (submit, abort, stop) from a
-thread-safe queue between steps and runs ``step()`` while any request is unfinished, so requests
-that arrive while others decode join the running batch (continuous batching across HTTP
-requests). Outputs go back to each submission's ``asyncio.Queue`` on the event loop that made it.
+Input work never runs on the engine thread: a submission's prompts are prepared (chat template,
+tokenizing, image decoding and preprocessing, every check) on a small pool of input threads, off
+the event loop too, and only the prepared requests go to the engine thread. That thread touches
+the ``Engine`` alone: it takes commands (submit, abort, stop) from a thread-safe queue between
+steps and runs ``step()`` while any request is unfinished, so requests that arrive while others
+decode join the running batch (continuous batching across HTTP requests). Outputs go back to each
+submission's ``asyncio.Queue`` on the event loop that made it.
 
-Invariant: a submission that ends for any reason (finished, failed, its caller gone, shutdown)
-holds no block once the engine thread has handled its abort, which it does before its next step.
+Invariants: a submission that ends for any reason (finished, failed, its caller gone, shutdown)
+holds no block once the engine thread has handled its abort, which it does before its next step;
+``healthy`` is false once the engine thread has died, or has spent more than ``stall_seconds`` in
+one turn (handling commands and stepping) while work was waiting.
 """
 
 from __future__ import annotations
@@ -14,10 +19,17 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from mmkv import Engine, RequestOutput, SamplingParams
+from mmkv.engine import Engine
+from mmkv.outputs import RequestOutput
+from mmkv.preparer import PreparedRequest
+from mmkv.sampling_params import SamplingParams
+
+INPUT_THREADS = 2  # threads preparing requests' input
 
 
 class EngineOverloaded(Exception):
@@ -35,7 +47,7 @@ class RequestFailed(Exception):
 @dataclass(slots=True)
 class ChatPrompt:
     """Chat messages (image parts as ``{"type": "image"}``) and their images' bytes in order,
-    rendered by the model's chat template on the engine thread (which owns the tokenizer)."""
+    rendered by the model's chat template when the request is prepared."""
 
     messages: list[dict[str, Any]]
     images: list[bytes]
@@ -43,11 +55,11 @@ class ChatPrompt:
 
 @dataclass(slots=True, eq=False)
 class _Submission:
-    """Prompts sent together (one HTTP request), each an engine request with the same params."""
+    """Prompts sent together (one HTTP request), prepared, each an engine request with the same
+    params."""
 
-    prompts: list[Any]
+    prompts: list[PreparedRequest]
     params: SamplingParams
-    cache_salt: str | None
     stream: bool
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
@@ -56,8 +68,9 @@ class _Submission:
 
 
 class Ticket:
-    """A place under the admission limit, held from before a request's images are fetched until
-    its response is done; ``release`` is idempotent."""
+    """Places under the admission limit, one per sequence a request runs (its prompts times its
+    ``n``), held from before its images are fetched until its response is done; ``release`` is
+    idempotent."""
 
     def __init__(self, admission: "Admission", n: int) -> None:
         self._admission, self._n = admission, n
@@ -68,7 +81,7 @@ class Ticket:
 
 
 class Admission:
-    """The admission limit of one HTTP front: at most ``max_pending`` requests admitted at once
+    """The admission limit of one HTTP front: at most ``max_pending`` sequences admitted at once
     (running plus waiting); touched only on the event loop."""
 
     def __init__(self, max_pending: int) -> None:
@@ -76,9 +89,10 @@ class Admission:
         self.admitted = 0
 
     def admit(self, n: int) -> Ticket:
-        """Reserve ``n`` requests' places, or raise ``EngineOverloaded`` (before any work)."""
+        """Reserve ``n`` sequences' places, or raise ``EngineOverloaded`` (before any work)."""
         if self.admitted + n > self.max_pending:
-            raise EngineOverloaded(f"{self.admitted} requests in flight; the limit is {self.max_pending}")
+            raise EngineOverloaded(f"{self.admitted} sequences in flight and this request adds {n}; "
+                                   f"the limit is {self.max_pending}")
         self.admitted += n
         return Ticket(self, n)
 
@@ -92,10 +106,13 @@ class AsyncEngine:
     engine holding no block.
     """
 
-    def __init__(self, engine: Engine, max_pending: int) -> None:
+    def __init__(self, engine: Engine, max_pending: int, stall_seconds: float = 60.0) -> None:
         self.engine = engine
         self.admission = Admission(max_pending)
+        self.stall_seconds = stall_seconds
         self.stats: dict[str, int] = engine.stats()  # a snapshot, replaced after every step
+        self._inputs = ThreadPoolExecutor(INPUT_THREADS, thread_name_prefix="mmkv-input")
+        self._turn_started: float | None = None  # when the engine thread's current turn began
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._owners: dict[int, _Submission] = {}  # engine request id -> its submission
         self._texts = engine.stream_texts()  # streamed outputs' texts, decoded incrementally
@@ -108,7 +125,7 @@ class AsyncEngine:
         self._thread.start()
 
     def admit(self, n: int) -> Ticket:
-        """Reserve ``n`` requests' places, or raise ``EngineOverloaded`` (before any work)."""
+        """Reserve ``n`` sequences' places, or raise ``EngineOverloaded`` (before any work)."""
         if self._stopping:
             raise EngineStopped("the server is shutting down")
         return self.admission.admit(n)
@@ -129,25 +146,41 @@ class AsyncEngine:
         """Abort what runs, end the engine thread and prove the engine holds no block."""
         self.stop()
         self.join()
+        self._inputs.shutdown(wait=False, cancel_futures=True)
         self.engine.check_integrity()
 
     def running(self) -> bool:
         """Whether the engine thread is alive (started and not stopped or crashed)."""
         return self._thread.is_alive()
 
+    def stalled(self) -> bool:
+        """Whether the engine thread has been in one turn for more than ``stall_seconds``."""
+        started = self._turn_started
+        return started is not None and time.monotonic() - started > self.stall_seconds
+
     async def healthy(self) -> bool:
-        return self.running()
+        return self.running() and not self.stalled()
 
     async def replica_stats(self) -> dict[str, dict[str, int]]:
         return {"0": self.stats}
 
     async def generate(self, prompts: list[Any], params: SamplingParams, cache_salt: str | None = None,
-                       stream: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
+                       stream: bool = True, strict_max_tokens: bool = False
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield ``(prompt index, output)`` as the engine produces them (with ``stream=False``
         only each request's first output with a token and its last), until every prompt is
-        finished. Raises ``ValueError`` for input the engine refuses (nothing of it runs),
-        ``RequestFailed`` when a request raised inside the engine, ``EngineStopped`` on shutdown."""
-        sub = _Submission(prompts, params, cache_salt, stream, asyncio.get_running_loop(), asyncio.Queue())
+        finished. The prompts are prepared on the input threads first. Raises ``ValueError`` for
+        input the engine refuses (nothing of it runs; with ``strict_max_tokens``, also a prompt
+        after which ``max_tokens`` does not fit ``max_model_len``), ``RequestFailed`` when a
+        request raised inside the engine, ``EngineStopped`` on shutdown."""
+        if self._stopping:
+            raise EngineStopped("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        labels = ["request"] if len(prompts) == 1 else [f"prompt {i}" for i in range(len(prompts))]
+        prepared = await asyncio.gather(*(
+            loop.run_in_executor(self._inputs, self._prepare, prompt, params, cache_salt,
+                                 strict_max_tokens, label) for prompt, label in zip(prompts, labels)))
+        sub = _Submission(prepared, params, stream, loop, asyncio.Queue())
         with self._lock:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
@@ -164,6 +197,20 @@ class AsyncEngine:
             if done < len(prompts):
                 self._commands.put(("abort", sub))
 
+    def _prepare(self, prompt: Any, params: SamplingParams, cache_salt: str | None, strict: bool,
+                 label: str) -> PreparedRequest:
+        """One prompt's input work, on an input thread."""
+        if isinstance(prompt, ChatPrompt):
+            ids = self.engine.render_chat(prompt.messages, label)
+            prompt = {"prompt": ids, "images": prompt.images} if prompt.images else ids
+        request = self.engine.prepare_request(prompt, params, cache_salt, label=label)
+        room = self.engine.max_model_len - len(request.token_ids)
+        if strict and params.max_tokens > room:
+            raise ValueError(f"{label}: max_tokens is {params.max_tokens}, but the prompt has "
+                             f"{len(request.token_ids)} tokens and max_model_len is "
+                             f"{self.engine.max_model_len}: at most {room} can follow it")
+        return request
+
     def stop(self) -> None:
         """Abort everything in flight and end the engine thread (callable from any thread)."""
         with self._lock:
@@ -177,7 +224,9 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             idle = not self.engine.has_unfinished()
+            self._turn_started = None if idle else time.monotonic()
             commands = [self._commands.get()] if idle else []
+            self._turn_started = self._turn_started or time.monotonic()
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -198,13 +247,10 @@ class AsyncEngine:
 
     def _submit(self, sub: _Submission) -> None:
         try:
-            for prompt in sub.prompts:
-                if isinstance(prompt, ChatPrompt):
-                    ids = self.engine.render_chat(prompt.messages)
-                    prompt = {"prompt": ids, "images": prompt.images} if prompt.images else ids
-                sub.request_ids.append(self.engine.add_request(prompt, sub.params, sub.cache_salt))
+            for prepared in sub.prompts:
+                sub.request_ids.append(self.engine.add_prepared(prepared))
                 self._owners[sub.request_ids[-1]] = sub
-        except Exception as err:  # refused input (ValueError) or a bug: nothing of it runs
+        except Exception as err:  # a bug: nothing of it runs
             self._abort(sub)
             self._deliver(sub, [err])
 

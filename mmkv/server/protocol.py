@@ -173,8 +173,8 @@ def parse(model: type[_Model], body: bytes) -> Any:
     """The request body as ``model``, or an ``ApiError`` 400 naming the bad field."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ApiError(400, f"the body is not valid JSON: {err}") from None
+    except (ValueError, RecursionError):  # the decoder's message may quote the body: none of it
+        raise ApiError(400, "the body is not valid JSON (or nests too deeply)") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
     try:

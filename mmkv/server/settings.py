@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,15 +13,18 @@ from mmkv.server.media import MediaPolicy
 @dataclass(slots=True)
 class ServerSettings:
     """The HTTP front's rules. Defaults are the safe ones: no key (bind to loopback), no remote or
-    local media, bodies up to 16 MiB, 8 images a request, 256 requests waiting beyond the batch."""
+    local media, bodies up to 16 MiB, 8 images a request, 256 sequences waiting beyond the batch,
+    and no client-chosen priority."""
 
     served_model_name: str
     api_key: str | None = None
-    max_waiting: int = 256  # requests admitted beyond --max-num-seqs before 503
+    max_waiting: int = 256  # sequences admitted beyond --max-num-seqs before 503
     max_body_bytes: int = 16 * 2**20
     max_images_per_request: int = 8
     retry_after_seconds: int = 1
     media: MediaPolicy = field(default_factory=MediaPolicy)
+    client_priority: tuple[int, int] = (0, 0)  # the priorities a client may ask for (0: FCFS)
+    stall_seconds: float = 60.0  # /health is 503 once one engine turn takes longer while work waits
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -30,6 +34,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                         max_bytes=args.max_image_bytes, max_pixels=args.max_image_pixels,
                         timeout=args.media_timeout)
     return ServerSettings(served_model_name=args.served_model_name or Path(args.model).name,
-                          api_key=args.api_key or None, max_waiting=args.max_waiting,
+                          api_key=args.api_key or os.environ.get("MMKV_API_KEY") or None,
+                          max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes,
-                          max_images_per_request=args.max_images_per_request, media=media)
+                          max_images_per_request=args.max_images_per_request, media=media,
+                          client_priority=tuple(args.allow_client_priority or (0, 0)))
