@@ -86,9 +86,12 @@ class Engine:
                                                 preemption_weights or CostWeights())
         self.debug = debug
         self._start()
+        self.calibration_seconds = 0.0  # what timing the speculative passes took at construction
         if (speculative is not None and speculative.draft_length == "auto"
                 and speculative.settings.calibrate):
+            started = time.perf_counter()
             calibrate(self)
+            self.calibration_seconds = time.perf_counter() - started
             self.speculator.keep_costs_only()
             self.runner.forget_decode_threads()
             self.kv.reset_cache()
@@ -347,6 +350,8 @@ class Engine:
             "block_size": self.kv.block_size,
             **(self.model.vision.stats() if self.model.vision is not None else {}),
             **({"xattn_blocks_computed": self.image_kv.computed_blocks} if self.image_kv else {}),
-            **(self.speculator.summary() if self.speculator else {}),
+            **({**self.speculator.summary(),
+                "spec_calibration_seconds": round(self.calibration_seconds, 4)}
+               if self.speculator else {}),
             **(self.runner.decode_threads.summary() if self.runner.decode_threads else {}),
         }

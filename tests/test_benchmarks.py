@@ -66,7 +66,8 @@ def assert_llama_cpp(result: dict, cells: list[dict]) -> None:
 
 def test_prefix_bench_computes_each_unique_token_once():
     result = bench("prefix", "--n", "3", "--p", "40", *TINY_PREFIX)
-    assert result["outputs_equal"] is True
+    assert result["outputs_equal"] is True  # transformers with its prefix cache reused too
+    assert result["hf_prefix_reuse_seconds"] > 0 and result["speedup_vs_hf_prefix_reuse"] > 0
     assert result["computed_prefill_tokens"] == result["unique_tokens"] == 40 + 3 * 5
     assert result["kv_bytes_peak"] <= result["kv_peak_goal_bytes"]
     assert result["mmkv_bf16_seconds"] > 0 and result["bf16_sequences_equal_fp32"].endswith("/3")
@@ -77,15 +78,18 @@ def test_prefix_bench_sweep_charts_every_cell(tmp_path):
     result = bench("prefix", "--sweep", "--sweep-n", "2", "--sweep-p", "20,40",
                    "--chart", str(tmp_path / "scaling.png"), *TINY_PREFIX)
     assert result["outputs_equal"] is True and set(result["sweep"]) == {"n2_p20", "n2_p40"}
-    assert all(cell["outputs_equal_hf"] for cell in result["sweep"].values())
+    assert all(cell["outputs_equal_hf"] and cell["outputs_equal_hf_prefix_reuse"]
+               for cell in result["sweep"].values())
     assert_llama_cpp(result, [c.get("llama_cpp_sequences_equal", "") for c in result["sweep"].values()])
     assert (tmp_path / "scaling.png").stat().st_size > 0
 
 
 def test_image_qa_bench_encodes_each_image_once():
     result = bench("image-qa", "--i", "2", "--q", "3", "--a", "4", "--question-tokens", "5",
-                   "--hidden-size", "64", "--num-layers", "4")
-    assert result["outputs_equal"] is True
+                   "--hidden-size", "64", "--num-layers", "4", "--repeats", "1")
+    assert result["outputs_equal"] is True  # per image, one batch of both, the cache reused
+    assert result["hf_batched_seconds"] == min(result["hf_per_image_seconds"], result["hf_one_batch_seconds"])
+    assert result["hf_prefix_reuse_seconds"] > 0 and result["speedup_vs_hf_prefix_reuse"] > 0
     assert result["encoder_calls"] == result["images"] == 2
     assert result["xattn_kv_bytes"] == result["xattn_kv_bytes_unique_bound"]
 
@@ -118,6 +122,9 @@ def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
              for load in ("scenes", "summaries") for b in (1, 2)]
     assert result["min_speedup"] == min(result[f"speedup_{cell}"] for cell in cells) > 0
     assert result["rounds_b1"] == result["rounds_b2"] == 1
+    for name in ("early_exit", "draft"):  # calibrated at construction: a short job pays for it
+        assert result[f"calibration_seconds_{name}_b1"] > 0
+        assert 0 < result[f"speedup_{name}_b1_with_calibration"] < result[f"speedup_{name}_b1"]
     for name in ("early_exit", "draft"):
         assert result[f"mean_tokens_per_round_{name}_b1"] >= 1
         # not at least plain's: a round can end one sequence steps before plain decoding would,
@@ -168,15 +175,31 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
     assert result["decode_speedup_early_exit_b8"] == 3.0 and result["prefill_share_plain_b8"] == 0.25
 
 
-def test_the_warm_up_prompt_is_none_of_the_workload():
-    """An engine's warm-up request leaves its prompt's K/V cached: it must be a prompt of the
-    workload's kind that the run never serves (else its first request, and only that one, meets
-    a warm cache)."""
+def _shares_a_block(warm: list[int], prompts: list[list[int]], block: int = 16) -> bool:
+    """Whether ``warm`` and a prompt begin with the same ``block`` tokens (the least the cache can
+    hand from one request to another)."""
+    return any(len(p) >= block and warm[:block] == p[:block] for p in prompts)
+
+
+def test_no_warm_up_shares_a_block_or_an_image_with_its_workload():
+    """An engine's warm-up request leaves its K/V (and its images' encoder output) cached: every
+    benchmark warms up on a prompt its run never serves, so no timed request meets a warm cache."""
+    from transformers import AutoTokenizer
+
+    from mmkv.bench import image_qa_bench, prefix_bench, serve_bench
+
+    encode = AutoTokenizer.from_pretrained(spec_bench.BUNDLED_MODEL).encode
+    _, prompts = prefix_bench.workload(16, 600, 20, 0)
+    assert not _shares_a_block(prefix_bench.WARM_UP, prompts)
+    questions = [image_qa_bench.IMAGE_PREFIX[f] + [4] * 12 for f in image_qa_bench.FAMILIES]
+    assert not _shares_a_block(image_qa_bench.WARM_UP, questions)  # and it carries no image
+    texts = serve_bench.workload(3, 2, 200)
+    assert not _shares_a_block(encode(serve_bench.warm_up_prompt(200)), [encode(t) for t in texts])
     loads, warm = spec_bench.workloads(32, 11), spec_bench.warm_ups(11)
     assert set(warm) == set(loads)
-    for load, prompts in loads.items():
-        assert len(warm[load]) == 1 and warm[load][0] not in prompts
-        assert type(warm[load][0]) is type(prompts[0])
+    assert not _shares_a_block(encode(warm["summaries"][0]), [encode(t) for t in loads["summaries"]])
+    pixels = {scene["images"][0].tobytes() for scene in loads["scenes"]}
+    assert warm["scenes"][0]["images"][0].tobytes() not in pixels
 
 
 @pytest.mark.parametrize("method", ["early_exit", "draft_model"])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from mmkv import Engine, SamplingParams
 from mmkv.bench import llama_cpp_peer, timed
@@ -28,6 +28,7 @@ from mmkv.bench.variants import NoCascadeEngine
 
 SWEEP_N = "4,16,64"
 SWEEP_P = "300,1200,4800"
+WARM_UP = [7, 7, 7]  # every side's warm-up prompt: shorter than a block, it leaves nothing to share
 HF_SWEEP_TOKENS = 20_000  # transformers' padded batch attends with a dense mask: skip beyond this
 
 
@@ -59,6 +60,13 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", help="mmkv's: auto, torch or flashinfer")
 
 
+def workload(n: int, p: int, q: int, seed: int) -> tuple[list[int], list[list[int]]]:
+    """A ``p``-token prefix and ``n`` prompts of it followed by ``q`` tokens of their own."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, 8000, size=p).tolist()
+    return prefix, [prefix + rng.integers(0, 8000, size=q).tolist() for _ in range(n)]
+
+
 def unique_prefixes(prompts: list[list[int]]) -> int:
     """Tokens a perfect prefix cache computes: the number of distinct prompt prefixes."""
     return len({tuple(p[: i + 1]) for p in prompts for i in range(len(p))})
@@ -71,7 +79,7 @@ def run_mmkv_once(model_dir: Path, prompts, params, args: argparse.Namespace,
     engine = engine_class(model_dir, kv_cache_memory="512MiB", host_kv_memory="64MiB",
                     block_size=args.block_size, device=args.device,
                     attention_backend=args.attention_backend, **options)
-    engine.generate([[7, 7, 7]], SamplingParams(max_tokens=2))  # warm-up, shares nothing
+    engine.generate([WARM_UP], SamplingParams(max_tokens=2))
     outs, seconds = timed(lambda: engine.generate(prompts, params))
     return [o.token_ids for o in outs], seconds, engine
 
@@ -95,6 +103,24 @@ def best_of(repeats: int, fn):
 
 
 @torch.inference_mode()
+def hf_prefix_reuse(model, prefix: list[int], prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers with its documented prefix caching, in one batch: the shared prefix prefilled
+    once into a ``DynamicCache`` (logits of its last position only), the cache repeated for every
+    prompt, and one batched ``generate`` that computes only what follows the prefix. The prompts
+    are the prefix and suffixes of one length (no padding to move the prefix)."""
+    if len({len(p) for p in prompts}) != 1 or any(p[:len(prefix)] != prefix for p in prompts):
+        raise ValueError("prefix reuse needs prompts of one length that all start with the prefix")
+    cache = DynamicCache(config=model.config)
+    model(torch.tensor([prefix], device=model.device), cache=cache, logits_to_keep=1)
+    cache.batch_repeat_interleave(len(prompts))
+    ids = torch.tensor(prompts, device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=0)
+    return out[:, ids.shape[1]:].tolist()
+
+
+@torch.inference_mode()
 def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     width = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), width), dtype=torch.long, device=model.device)
@@ -112,9 +138,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     if args.sweep:
         return sweep(args)
-    rng = np.random.default_rng(args.seed)
-    prefix = rng.integers(0, 8000, size=args.p).tolist()
-    prompts = [prefix + rng.integers(0, 8000, size=args.q).tolist() for _ in range(args.n)]
+    prefix, prompts = workload(args.n, args.p, args.q, args.seed)
     params = SamplingParams(max_tokens=args.a, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_random_llama(Path(tmp) / "llama", seed=args.seed,
@@ -125,9 +149,12 @@ def run(args: argparse.Namespace) -> dict:
                                        enable_prefix_caching=False)
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, args.dtype)).to(args.device).eval()
-        hf_generate(model, [[7, 7, 7]], 2)  # warm-up
+        hf_generate(model, [WARM_UP], 2)
+        hf_prefix_reuse(model, WARM_UP, [WARM_UP + [1], WARM_UP + [2]], 2)
         batched, batched_s = best_of(args.repeats, lambda: hf_generate(model, prompts, args.a))
-        sequential, sequential_s = timed(lambda: [hf_generate(model, [p], args.a)[0] for p in prompts])
+        reused, reused_s = best_of(args.repeats, lambda: hf_prefix_reuse(model, prefix, prompts, args.a))
+        sequential, sequential_s = best_of(
+            args.repeats, lambda: [hf_generate(model, [p], args.a)[0] for p in prompts])
         result = {}
         if args.device == "cpu" and args.dtype == "float32":
             result.update(bfloat16_and_peers(model_dir, prefix, prompts, params, ours, mmkv_s, args))
@@ -136,9 +163,11 @@ def run(args: argparse.Namespace) -> dict:
     unique = unique_prefixes(prompts)
     bound = (unique + args.n * args.a) * bytes_per_block // args.block_size
     return {
+        "speedup_vs_hf_prefix_reuse": round(reused_s / mmkv_s, 2),
         "speedup_vs_hf_batched": round(batched_s / mmkv_s, 2),
         "speedup_vs_hf_sequential": round(sequential_s / mmkv_s, 2),
-        "outputs_equal": ours == batched == sequential == no_cascade and single == sequential[:1],
+        "outputs_equal": (ours == batched == reused == sequential == no_cascade
+                          and single == sequential[:1]),
         **result,
         "computed_prefill_tokens": stats["computed_prefill_tokens"] - 3,  # minus the warm-up
         "unique_tokens": unique,
@@ -149,6 +178,7 @@ def run(args: argparse.Namespace) -> dict:
         "single_request_speedup_vs_hf": round((sequential_s / args.n) / single_s, 2),
         "mmkv_seconds": round(mmkv_s, 3),
         "mmkv_no_cascade_seconds": round(no_cascade_s, 3),
+        "hf_prefix_reuse_seconds": round(reused_s, 3),
         "hf_batched_seconds": round(batched_s, 3),
         "hf_sequential_seconds": round(sequential_s, 3),
         "n": args.n, "p": args.p, "q": args.q, "a": args.a, "repeats": args.repeats,
@@ -207,21 +237,24 @@ def sweep(args: argparse.Namespace) -> dict:
         model_dir = save_random_llama(Path(tmp) / "llama", seed=args.seed,
                                       **text_size(args.hidden_size, args.num_layers))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        hf_generate(model, [[7, 7, 7]], 2)
+        hf_generate(model, [WARM_UP], 2)
+        hf_prefix_reuse(model, WARM_UP, [WARM_UP + [1], WARM_UP + [2]], 2)
         gguf = None
         if missing is None:
             gguf = llama_cpp_peer.convert(model_dir, Path(tmp) / "gguf", ["f32"])["f32"]
         for n in sizes_n:
             for p in sizes_p:
-                rng = np.random.default_rng(args.seed)
-                prefix = rng.integers(0, 8000, size=p).tolist()
-                prompts = [prefix + rng.integers(0, 8000, size=args.q).tolist() for _ in range(n)]
+                prefix, prompts = workload(n, p, args.q, args.seed)
                 ours, mmkv_s, _ = run_mmkv(model_dir, prompts, params, args)
                 cell: dict[str, float | str] = {"mmkv": round(mmkv_s, 3)}
                 if n * (p + args.q) <= HF_SWEEP_TOKENS:
                     theirs, hf_s = best_of(args.repeats, lambda: hf_generate(model, prompts, args.a))
                     cell["hf_batched"] = round(hf_s, 3)
                     cell["outputs_equal_hf"] = theirs == ours
+                reused, reused_s = best_of(args.repeats,
+                                           lambda: hf_prefix_reuse(model, prefix, prompts, args.a))
+                cell["hf_prefix_reuse"] = round(reused_s, 3)
+                cell["outputs_equal_hf_prefix_reuse"] = reused == ours
                 if gguf is not None:
                     peer = llama_cpp_peer.LlamaCpp(gguf, n, p + args.q + args.a)
                     suffixes = [q[p:] for q in prompts]
@@ -232,7 +265,8 @@ def sweep(args: argparse.Namespace) -> dict:
                     cell["llama_cpp_sequences_equal"] = agreement(theirs, ours)
                 cells[f"n{n}_p{p}"] = cell
     _chart(cells, sizes_n, sizes_p, args)
-    equal = [c["outputs_equal_hf"] for c in cells.values() if "outputs_equal_hf" in c]
+    equal = [c[k] for c in cells.values() for k in ("outputs_equal_hf", "outputs_equal_hf_prefix_reuse")
+             if k in c]
     return {"sweep": cells, "outputs_equal": all(equal), "llama_cpp": missing or "timed",
             "hf_skipped_beyond_tokens": HF_SWEEP_TOKENS, "q": args.q, "a": args.a,
             "repeats": args.repeats}
@@ -250,6 +284,8 @@ def _chart(cells: dict, sizes_n: list[int], sizes_p: list[int], args: argparse.N
     for ax, n in zip(axes, sizes_n):
         for system, label, style, color in (("mmkv", "mmkv", "o-", "C0"),
                                             ("hf_batched", "transformers batched", "s--", "C1"),
+                                            ("hf_prefix_reuse", "transformers, prefix cache reused",
+                                             "d-.", "C3"),
                                             ("llama_cpp_f32", "llama.cpp f32", "^:", "C2")):
             points = [(p, cells[f"n{n}_p{p}"][system]) for p in sizes_p if system in cells[f"n{n}_p{p}"]]
             if points:

@@ -78,6 +78,13 @@ def workload(documents: int, questions: int, document_tokens: int, seed: int = 0
     return prompts
 
 
+def warm_up_prompt(document_tokens: int, seed: int = 0) -> str:
+    """A prompt of the workload's kind that shares no document with ``workload(..., seed)``'s
+    (drawn from another seed): the warm-up request leaves nothing in the cache that the timed
+    requests could read."""
+    return workload(1, 1, document_tokens, seed + 1)[0]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -85,7 +92,9 @@ def free_port() -> int:
 
 
 def start(command: list[str], url: str, timeout: float) -> subprocess.Popen:
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    """The server, its output to a temporary file (a pipe nobody reads would fill and stall it)."""
+    log = tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + timeout
     while True:
@@ -96,7 +105,8 @@ def start(command: list[str], url: str, timeout: float) -> subprocess.Popen:
             pass
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError(f"{command[:4]} did not start: {process.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"{command[:4]} did not start: {log.read()[-2000:]}")
         time.sleep(0.5)
 
 
@@ -109,8 +119,8 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-async def drive(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                usage_option: bool) -> tuple[list[Result], float]:
+async def drive(url: str, model: str, prompts: list[str], warm_up: str, concurrency: int,
+                max_tokens: int, usage_option: bool) -> tuple[list[Result], float]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
@@ -131,7 +141,7 @@ async def drive(url: str, model: str, prompts: list[str], concurrency: int, max_
                     tokens = chunk.usage.completion_tokens
             return Result("".join(text), ttft or 0.0, time.perf_counter() - start_time, tokens)
 
-    await one(prompts[-1])  # warm-up: the first request pays one-time costs on both servers
+    await one(warm_up)  # the first request pays one-time costs on both servers
     begin = time.perf_counter()
     results = await asyncio.gather(*[one(p) for p in prompts])
     return list(results), time.perf_counter() - begin
@@ -157,10 +167,10 @@ def figures(results: list[Result], seconds: float) -> dict[str, float]:
 
 
 def serve_and_drive(name: str, command: list[str], url: str, model: str, prompts: list[str],
-                    args: argparse.Namespace) -> tuple[list[Result], float]:
+                    warm_up: str, args: argparse.Namespace) -> tuple[list[Result], float]:
     process = start(command, url, args.startup_timeout)
     try:
-        return asyncio.run(drive(url, model, prompts, args.concurrency, args.max_tokens,
+        return asyncio.run(drive(url, model, prompts, warm_up, args.concurrency, args.max_tokens,
                                  usage_option=name == "mmkv"))
     finally:
         stop(process)
@@ -168,20 +178,21 @@ def serve_and_drive(name: str, command: list[str], url: str, model: str, prompts
 
 def run(args: argparse.Namespace) -> dict:
     prompts = workload(args.documents, args.questions, args.document_tokens)
+    warm_up = warm_up_prompt(args.document_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         model = str(save_model(Path(tmp) / "llama"))
         port = free_port()
         mmkv_cmd = [sys.executable, "-m", "mmkv", "serve", model, "--port", str(port),
                     "--served-model-name", model, "--kv-cache-memory", "512MiB", "--host-kv-memory", "64MiB",
-                    "--device", "cpu", "--dtype", "float32"]
+                    "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
         ours, our_seconds = serve_and_drive("mmkv", mmkv_cmd, f"http://127.0.0.1:{port}", model,
-                                            prompts, args)
+                                            prompts, warm_up, args)
         port = free_port()
         peer_cmd = [str(Path(sys.executable).parent / "transformers"), "serve", model,
                     "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
                     "--device", "cpu", "--dtype", "float32", "--cb-num-blocks", "64", "--cb-max-batch-tokens", "2048", "--log-level", "error"]
         theirs, their_seconds = serve_and_drive("transformers", peer_cmd, f"http://127.0.0.1:{port}",
-                                                model, prompts, args)
+                                                model, prompts, warm_up, args)
     mine, peer = figures(ours, our_seconds), figures(theirs, their_seconds)
     equal = [_settled(r.text) for r in ours] == [_settled(r.text) for r in theirs]
     result = {
