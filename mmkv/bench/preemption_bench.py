@@ -3,7 +3,7 @@
 A random Llama (hidden 512, 8 layers, fp32) serves a mix of ``--long`` requests with long prompts
 and short answers and ``--short`` requests with short prompts and long answers, arriving one
 every ``--every`` engine steps in a seeded order, on a device pool of ``--kv-blocks`` blocks (far
-too small for the batch: tens of preemptions) and a host tier of ``--host-blocks``. Each policy
+too small for the batch) and a host tier of ``--host-blocks``. Each policy
 serves the same arrivals on a fresh engine; the policies alternate for ``--repeats`` rounds after
 one uncounted round, and each figure is the median of its policy's rounds. Greedy outputs must be
 equal across the policies (preemption never changes an output).
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short-prompt", type=int, default=16)
     p.add_argument("--short-answer", type=int, default=96)
     p.add_argument("--every", type=int, default=2, help="steps between two arrivals")
-    p.add_argument("--kv-blocks", type=int, default=180, help=f"the device pool (blocks of {BLOCK})")
+    p.add_argument("--kv-blocks", type=int, default=140, help=f"the device pool (blocks of {BLOCK})")
     p.add_argument("--host-blocks", type=int, default=16, help=f"the host tier (blocks of {BLOCK})")
     p.add_argument("--weights", default="", help="the cost policy's CostWeights, e.g. repeat=0.2,wait=0")
     p.add_argument("--hidden-size", type=int, default=BENCH_LLAMA["hidden_size"],
