@@ -6,8 +6,9 @@ The public names load on first use (PEP 562), so importing one of mmkv's modules
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mmkv.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from mmkv.engine import Engine
@@ -20,15 +21,4 @@ _HOMES = {"CompletionOutput": "mmkv.outputs", "Engine": "mmkv.engine",
           "SamplingParams": "mmkv.sampling_params"}
 
 __all__ = sorted(_HOMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'mmkv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value  # found once; later lookups do not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+__getattr__, __dir__ = lazy_exports(globals(), _HOMES)

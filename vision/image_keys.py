@@ -19,7 +19,6 @@ from typing import Callable
 
 import torch
 import xxhash
-from PIL import Image
 
 Inputs = dict[str, torch.Tensor]
 
@@ -31,17 +30,6 @@ def image_key(inputs: Inputs, identity: str) -> bytes:
         t = inputs[name].detach().contiguous().cpu()
         h.update(f"|{name}|{tuple(t.shape)}|{t.dtype}|".encode())
         h.update(t.view(torch.uint8).numpy() if t.numel() else b"")  # hashed in place, no copy
-    return h.digest()
-
-
-def pixel_key(image: Image.Image) -> bytes:
-    """xxh3-128 of a canonical picture (``load_image``'s RGB output): its size and pixels.
-
-    Equal pixel keys mean equal preprocessed tensors, hence the same ``image_key`` for any
-    encoder, so a router that sends equal pixel keys to one place sends every copy of an image
-    there, without loading the model's processor."""
-    h = xxhash.xxh3_128(f"{image.mode}|{image.size[0]}x{image.size[1]}|".encode())
-    h.update(image.tobytes())
     return h.digest()
 
 

@@ -5,7 +5,8 @@ are composited over white). Encoded bytes and files are decoded only as one of
 ``ACCEPTED_FORMATS`` (PNG, JPEG, WebP, GIF and BMP; of an animated GIF or WebP, the first frame):
 PIL's other decoders never see untrusted data. A PIL image passed in is used as it is. Anything
 that cannot be turned into a picture raises ``ImageError`` naming the item and the reason in words
-(never a Python repr), before any model work starts.
+(never a Python repr), before any model work starts. ``pixel_key`` names a canonical picture
+by its pixels. This module loads neither torch nor an encoder, so a router can key images cheaply.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import io
 from pathlib import Path
 from typing import Union
 
+import xxhash
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 ImageInput = Union[Image.Image, str, Path, bytes, bytearray]
@@ -82,3 +84,14 @@ def _open(item: ImageInput, name: str) -> Image.Image:
         if err.errno is not None:  # the file itself could not be read
             raise ImageError(name, f"file {str(item)!r} cannot be read: {err.strerror}") from None
         raise ImageError(name, f"cannot be decoded: {err}") from err
+
+
+def pixel_key(image: Image.Image) -> bytes:
+    """xxh3-128 of a canonical picture (``load_image``'s RGB output): its size and pixels.
+
+    Equal pixel keys mean equal preprocessed tensors, hence the same ``image_key`` for any
+    encoder, so a router that sends equal pixel keys to one place sends every copy of an image
+    there, without loading the model's processor."""
+    h = xxhash.xxh3_128(f"{image.mode}|{image.size[0]}x{image.size[1]}|".encode())
+    h.update(image.tobytes())
+    return h.digest()
