@@ -1,8 +1,11 @@
 """mmkv.distributed.answer on a local Ray cluster (2 CPUs, replicas on half a CPU each): answers
-equal one local Engine's; with affinity each image is encoded once in the whole cluster and
-documents keep more prefix hits, neither of which plain map_batches (measured in the same test) does not;
-killing a replica mid-job loses and duplicates no row; bad rows come back with their error."""
+equal one local Engine's, in input order; with affinity each image is encoded once in the whole
+cluster, each image and document stays on one replica and documents keep more prefix hits, none
+of which round robin (measured in the same test) does; killing a replica mid-job loses and
+duplicates no row; bad rows come back with their error; the benchmark at a tiny size reports its
+figures."""
 
+import json
 import os
 import signal
 import threading
@@ -13,11 +16,11 @@ import pytest
 import ray
 
 from mmkv import Engine, SamplingParams
+from mmkv.bench.__main__ import main as bench_main
 from mmkv.bench.distributed_bench import ENGINE_OPTIONS, local_prompts, qa_rows
-from mmkv.distributed import StatsBoard, answer
+from mmkv.distributed import Replicas, answer
 
 PARAMS = SamplingParams(max_tokens=8)
-PREFIX = 32  # the reports are ~90 tokens: a longer prefix would include each row's instruction
 
 
 @pytest.fixture(scope="module")
@@ -30,21 +33,29 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def workload():
-    """12 images x 8 questions and 4 documents x 6 instructions, shuffled, plus two bad rows,
-    and what one local engine answers."""
+    """12 images x 8 questions and 4 documents (~90-token reports, each row's ``shared_prefix``)
+    x 6 instructions, shuffled, plus three bad rows, and what one local engine answers."""
     rows = qa_rows(0, 12, 8, 4, 6)
-    bad = [{"id": len(rows), "question": "how many shapes are there?", "image": b"not an image", "prompt": None},
-           {"id": len(rows) + 1, "question": None, "image": None, "prompt": None}]
+    bad = [{"id": len(rows), "question": "how many shapes are there?", "image": b"not an image",
+            "prompt": None, "shared_prefix": None},
+           {"id": len(rows) + 1, "question": None, "image": None, "prompt": None, "shared_prefix": None},
+           {"id": len(rows) + 2, "question": None, "image": None, "prompt": "a report. instruction: x",
+            "shared_prefix": "another report."}]
     engine = Engine(**ENGINE_OPTIONS)
     outs = engine.generate(local_prompts(engine, rows), PARAMS, use_tqdm=False)
     engine.check_integrity()
     return rows + bad, {r["id"]: o.text for r, o in zip(rows, outs)}
 
 
-def run(rows, board=None, params=PARAMS, **options):
-    return answer(ray.data.from_items(rows, override_num_blocks=2), replicas=2, params=params,
-                  engine_options=ENGINE_OPTIONS, num_cpus=0.5, stats=board,
-                  affinity_prefix_tokens=PREFIX, **options)
+def fresh_replicas(num_cpus: float = 0.5) -> Replicas:
+    """Two replicas on half a CPU each (a CPU stays free for Ray Data), their engines built."""
+    replicas = Replicas(n=2, engine_options=ENGINE_OPTIONS, num_cpus=num_cpus)
+    replicas.ready()
+    return replicas
+
+
+def run(replicas, rows, params=PARAMS, **options):
+    return answer(ray.data.from_items(rows, override_num_blocks=4), replicas, params, **options).take_all()
 
 
 def check_rows(out, rows, want):
@@ -54,72 +65,100 @@ def check_rows(out, rows, want):
     by_id = {r["id"]: r for r in out}
     for i, text in want.items():
         assert by_id[i]["error"] is None and by_id[i]["answer"] == text, i
-    corrupt, empty = by_id[len(want)], by_id[len(want) + 1]
+    corrupt, empty, unshared = by_id[len(want)], by_id[len(want) + 1], by_id[len(want) + 2]
     assert corrupt["answer"] is None and "cannot be decoded" in corrupt["error"]
     assert empty["answer"] is None and "exactly one of 'prompt' and 'question'" in empty["error"]
+    assert unshared["answer"] is None
+    assert "'shared_prefix' must be a string that its 'prompt' starts with" in unshared["error"]
+
+
+def replicas_per_group(out) -> dict[object, set[str]]:
+    """Each image's and each document's replicas (the good rows only)."""
+    groups: dict[object, set[str]] = {}
+    for r in out:
+        if r["error"] is None:
+            groups.setdefault(r["image"] or r["shared_prefix"], set()).add(r["replica"])
+    return groups
 
 
 def test_affinity_encodes_each_image_once_in_the_cluster(cluster, workload):
     rows, want = workload
-    affine, plain = StatsBoard(), StatsBoard()
-    out = run(rows, affine).take_all()
-    check_rows(out, rows, want)
-    assert affine.total("encoder_calls") == 12
-    assert len(affine.snapshot()) == 2 and len({r["replica"] for r in out}) == 2
+    with fresh_replicas() as replicas:
+        out = run(replicas, rows)
+        check_rows(out, rows, want)
+        assert [r["id"] for r in out] == [r["id"] for r in rows]  # in input order
+        assert replicas.stats.total("encoder_calls") == 12
+        assert len(replicas.stats.snapshot()) == 2 and len({r["replica"] for r in out}) == 2
+    # the default key reads 256 tokens, longer than a report and its instruction: each document
+    # stays on one replica because its rows name it as their shared prefix
+    groups = replicas_per_group(out)
+    assert len(groups) == 16 and all(len(replicas) == 1 for replicas in groups.values())
     cached = sum(r["cached_tokens"] for r in out)
     assert cached > 0
 
-    out = run(rows, plain, affinity=False, batch_size=16).take_all()
-    check_rows(out, rows, want)
-    assert plain.total("encoder_calls") > 12
+    with fresh_replicas() as replicas:
+        out = run(replicas, rows, affinity=False, batch_size=8)
+        check_rows(out, rows, want)
+        assert replicas.stats.total("encoder_calls") > 12
     assert sum(r["cached_tokens"] for r in out) < cached
+    assert any(len(replicas) > 1 for replicas in replicas_per_group(out).values())
 
 
 def test_a_replica_killed_mid_job_loses_and_duplicates_no_row(cluster, workload):
-    """A replica is killed (SIGKILL) while it answers a batch, found by the process title Ray
-    gives a worker running a task. Rows go to replicas as they come (``affinity=False``): the
-    restart and retry are the answering stage's, the same with affinity, and this path skips
-    the keying stage's actors (a test this long is mostly actors starting)."""
+    """A replica is killed (SIGKILL) once it has worked for a while on the job and before the job
+    is done: Ray restarts it and sends its calls again, the other replica finds it again by name,
+    and every row comes out once, answered as the local engine does."""
     rows, want = workload
-    killed: list[int] = []
-    killer = threading.Thread(target=kill_first_busy_replica, args=(killed,), daemon=True)
-    killer.start()
-    out = run(rows, affinity=False, batch_size=8).take_all()
-    killer.join(timeout=5)
-    assert killed and not _alive(killed[0])  # it was busy, so its batch was retried
-    check_rows(out, rows, want)
+    with fresh_replicas() as replicas:
+        name = ray.get(replicas.actors[1].ready.remote())
+        victim = int(name.rsplit("-", 1)[1])
+        done: dict = {}
+        job = threading.Thread(target=lambda: done.update(out=run(replicas, rows)), daemon=True)
+        idle = cpu_seconds(victim)
+        job.start()
+        deadline = time.monotonic() + 60
+        while cpu_seconds(victim) - idle < 0.1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert job.is_alive()  # killed mid-job
+        os.kill(victim, signal.SIGKILL)
+        job.join(timeout=120)
+        check_rows(done["out"], rows, want)
+        incarnations = [n for n in replicas.stats.snapshot() if n.startswith(replicas.names[1])]
+        assert len(incarnations) == 2  # the replica was restarted
 
 
-def kill_first_busy_replica(killed: list[int], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for pid in os.listdir("/proc"):
-            try:
-                title = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except (OSError, ValueError):
-                continue
-            if b"MapBatches(_EngineReplica)).submit" in title:
-                os.kill(int(pid), signal.SIGKILL)
-                killed.append(int(pid))
-                return
-        time.sleep(0.01)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def cpu_seconds(pid: int) -> float:
+    """The CPU time process ``pid`` has used (user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_bad_arguments_raise_before_anything_runs(cluster):
-    ds = ray.data.from_items([{"prompt": "x"}])
-    for options, message in (({"replicas": 0}, "replicas must be an integer >= 1"),
-                             ({"params": {"max_tokens": 4}}, "params must be a SamplingParams"),
+    for options, message in (({"n": 0}, "n must be an integer >= 1"),
                              ({"model": "/nonexistent"}, "model must be a model directory"),
-                             ({"affinity_prefix_tokens": 0}, "affinity_prefix_tokens must be"),
-                             ({"partitions": 0}, "partitions must be an integer >= 1"),
                              ({"num_cpus": -1}, "num_cpus must be >= 0")):
         with pytest.raises(ValueError, match=message):
-            answer(ds, **options)
+            Replicas(**options)
+    ds = ray.data.from_items([{"prompt": "x"}])
+    with pytest.raises(ValueError, match="replicas must be open Replicas"):
+        answer(ds, 2)
+    with fresh_replicas(num_cpus=1.0) as replicas:  # every CPU of the cluster
+        for options, message in (({"params": {"max_tokens": 4}}, "params must be a SamplingParams"),
+                                 ({"affinity_prefix_tokens": 0}, "affinity_prefix_tokens must be"),
+                                 ({"batch_size": 0}, "batch_size must be an integer >= 1"),
+                                 ({}, "Ray Data needs a free CPU")):
+            with pytest.raises(ValueError, match=message):
+                answer(ds, replicas, **options)
+
+
+def test_the_benchmark_reports_every_figure_at_a_tiny_size(cluster, capsys):
+    bench_main(["distributed", "--images", "2", "--questions", "2", "--documents", "1",
+                "--document-questions", "2", "--max-tokens", "4", "--repeats", "1", "--cpus", "2",
+                "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["outputs_equal"] is True and result["rows"] == 6
+    assert result["encoder_calls"] == result["distinct_images"] == 2
+    for key in ("startup_seconds", "keying_seconds", "seconds", "seconds_round_robin",
+                "speedup_affinity_vs_round_robin"):
+        assert result[key] > 0, key
+    assert ray.is_initialized()  # the test's cluster was used and left running

@@ -1,17 +1,23 @@
 """Batch Q&A on a local Ray cluster: mmkv.distributed.answer with image/prefix affinity against the
-plain map_batches path (rows to replicas as they come, as Ray's own LLM processor sends them), and
+batches sent whole to the least busy replica (as Ray's own LLM processor sends them), and
 both against one local Engine on the same rows.
 
 Workload (bundled model, greedy): ``--images`` synthetic scenes x ``--questions`` questions each
-and ``--documents`` city reports x ``--document-questions`` instructions each, in a shuffled order
-(a table of questions, not grouped by image). Reported: ``distinct_images``; ``encoder_calls`` and
-``kv_bytes_peak`` summed over the replicas, for both paths; ``cached_prompt_tokens`` for both and
-against the single engine; wall time of both (each includes starting its replicas);
-``outputs_equal`` (every answer of both paths equals the single engine's). The affinity key of a
-report row is its first ``--affinity-prefix-tokens`` (32) tokens: the reports are ~90 tokens, so
-the default 256 would cover each row's instruction and scatter a report's rows. On 2 cores the
-wall time ratio is noisy (and the affinity path's includes its keying stage, shuffle and one more
-actor's start); the counts are the point.
+and ``--documents`` city reports x ``--document-questions`` instructions each (a report row names
+its report as its ``shared_prefix``), shuffled: a table of questions, not grouped by image. The
+defaults make 1,040 rows on 2 replicas.
+
+Ray is started, and one uncounted pass of each side run on other images and reports, before
+anything is timed. Then the two sides take turns for ``--repeats`` rounds (the first side of a
+round alternates). Each pass builds fresh replicas (``mmkv.distributed.Replicas``) and waits until
+every engine is up (``startup_seconds``) before its clock starts: ``seconds`` is the answering
+alone, from the first row read to the last answer, with keying included on the affinity side;
+``keying_seconds`` is what keying every row costs in one process. A side's figures are the
+medians of its passes; ``speedup_affinity_vs_round_robin`` is the median over rounds of each
+round's ratio (round robin's seconds over affinity's). Reported with them: ``rows``,
+``distinct_images``; ``encoder_calls``, ``cached_prompt_tokens`` and ``kv_bytes_peak`` summed over
+the replicas for both sides and for the single engine; ``outputs_equal`` (every answer of every
+pass equals the single engine's).
 """
 
 from __future__ import annotations
@@ -20,46 +26,50 @@ import argparse
 import io
 import os
 import random
+import statistics
 import time
 from typing import Any
 
 from mmkv import Engine, SamplingParams
+from mmkv.distributed.affinity import DEFAULT_PREFIX_TOKENS
 from mmkv.synthetic import document_prompt, random_report, random_scene, report_questions
 
 SCENE_QUESTIONS = ("how many shapes are there?", "describe the scene.", "what is at the centre?",
                    "what is at the top left?", "is there a red circle?", "is there a blue square?",
                    "how many circles are there?", "how many squares are there?")
 ENGINE_OPTIONS = {"kv_cache_memory": "64MiB", "host_kv_memory": "8MiB"}
+SIDES = {"round_robin": False, "affinity": True}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--images", type=int, default=12)
+    p.add_argument("--images", type=int, default=100)
     p.add_argument("--questions", type=int, default=8, help=f"per image, at most {len(SCENE_QUESTIONS)}")
-    p.add_argument("--documents", type=int, default=4)
+    p.add_argument("--documents", type=int, default=40)
     p.add_argument("--document-questions", type=int, default=6, help="per document, at most 6")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="rows per input block, and per batch that round robin sends")
     p.add_argument("--cpus", type=float, default=os.cpu_count(), help="the local cluster's CPUs")
+    p.add_argument("--repeats", type=int, default=2, help="counted rounds of both sides")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--affinity-prefix-tokens", type=int, default=32,
-                   help="the reports are ~90 tokens: 256 would include each row's instruction")
 
 
 def qa_rows(seed: int, images: int, questions: int, documents: int, document_questions: int
             ) -> list[dict[str, Any]]:
     """Scene question rows (``question`` + PNG ``image``) and report instruction rows
-    (``prompt``), each with an ``id``, shuffled."""
+    (``prompt`` with the report as its ``shared_prefix``), each with an ``id``, shuffled."""
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     for _ in range(images):
         png = io.BytesIO()
         random_scene(rng).render().save(png, "PNG")
-        rows += [{"question": q, "image": png.getvalue(), "prompt": None}
+        rows += [{"question": q, "image": png.getvalue(), "prompt": None, "shared_prefix": None}
                  for q in SCENE_QUESTIONS[:questions]]
     for _ in range(documents):
         report = random_report(rng)
-        rows += [{"question": None, "image": None, "prompt": document_prompt(report, qa.question)}
-                 for qa in report_questions(report)[:document_questions]]
+        rows += [{"question": None, "image": None, "prompt": document_prompt(report, qa.question),
+                  "shared_prefix": report.text} for qa in report_questions(report)[:document_questions]]
     rng.shuffle(rows)
     return [{"id": i, **row} for i, row in enumerate(rows)]
 
@@ -71,42 +81,92 @@ def local_prompts(engine: Engine, rows: list[dict[str, Any]]) -> list[Any]:
     return [row_prompt(engine, r["prompt"], r["question"], r["image"]) for r in rows]
 
 
+def one_pass(rows: list[dict[str, Any]], affinity: bool, params: SamplingParams,
+             args: argparse.Namespace) -> tuple[dict[str, Any], dict[int, str]]:
+    """Answer ``rows`` once on fresh replicas, built and ready before the clock starts: the
+    pass's figures and each row's answer."""
+    import ray
+
+    from mmkv.distributed import Replicas, answer
+
+    with Replicas(n=args.replicas, engine_options=ENGINE_OPTIONS,
+                  num_cpus=(args.cpus - 1) / args.replicas) as replicas:  # a CPU for Ray Data
+        startup = replicas.ready()
+        start = time.perf_counter()
+        ds = ray.data.from_items(rows, override_num_blocks=max(2, -(-len(rows) // args.batch_size)))
+        out = answer(ds, replicas, params, affinity=affinity, batch_size=args.batch_size).take_all()
+        seconds = time.perf_counter() - start
+        board = replicas.stats
+        figures = {"startup_seconds": startup, "seconds": seconds,
+                   "encoder_calls": board.total("encoder_calls"),
+                   "cached_prompt_tokens": sum(r["cached_tokens"] for r in out),
+                   "kv_bytes_peak": board.total("peak_kv_bytes"),
+                   "replicas_used": len({r["replica"] for r in out}), "rows_out": len(out)}
+    return figures, {r["id"]: r["answer"] for r in out}
+
+
+def keying_seconds(rows: list[dict[str, Any]], prefix_tokens: int) -> float:
+    """What keying every row costs in one process (reading each image and hashing its pixels,
+    hashing each shared prefix): the affinity path's own work, spread over the replicas."""
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    from mmkv.bundled import BUNDLED_MODEL
+    from mmkv.distributed.rows import AffinityKeys
+
+    keys = AffinityKeys(AutoTokenizer.from_pretrained(BUNDLED_MODEL), prefix_tokens)
+    start = time.perf_counter()
+    keys(pd.DataFrame(rows))
+    return time.perf_counter() - start
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from mmkv.distributed import StatsBoard, answer
-
     rows = qa_rows(args.seed, args.images, args.questions, args.documents, args.document_questions)
+    warm_up = qa_rows(args.seed + 1, 2, 2, 1, 2)  # other images and reports than the workload's
     params = SamplingParams(max_tokens=args.max_tokens)
     engine = Engine(**ENGINE_OPTIONS)
+    start = time.perf_counter()
     want = [o.text for o in engine.generate(local_prompts(engine, rows), params, use_tqdm=False)]
+    single_seconds = time.perf_counter() - start
     single = engine.stats()
-    ray.init(num_cpus=args.cpus, include_dashboard=False, object_store_memory=256 * 1024**2,
-             log_to_driver=False)
+    del engine
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=args.cpus, include_dashboard=False, object_store_memory=256 * 1024**2,
+                 log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
-    result: dict[str, Any] = {"rows": len(rows), "distinct_images": args.images}
+    passes: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    keying = keying_seconds(rows, DEFAULT_PREFIX_TOKENS)
     equal = True
     try:
-        for label, affinity in (("_round_robin", False), ("", True)):  # the first pays Ray's warm-up
-            board = StatsBoard()
-            start = time.perf_counter()
-            out = answer(ray.data.from_items(rows, override_num_blocks=2), replicas=args.replicas, params=params,
-                         engine_options=ENGINE_OPTIONS, affinity=affinity,
-                         affinity_prefix_tokens=args.affinity_prefix_tokens,
-                         num_cpus=args.cpus / (args.replicas + 1), stats=board).take_all()
-            result[f"wall_s{label}"] = round(time.perf_counter() - start, 2)
-            got = {r["id"]: r["answer"] for r in out}
-            equal &= len(out) == len(rows) and [got.get(i) for i in range(len(rows))] == want
-            result[f"encoder_calls{label}"] = board.total("encoder_calls")
-            result[f"cached_prompt_tokens{label}"] = sum(r["cached_tokens"] for r in out)
-            result[f"kv_bytes_peak{label}"] = board.total("peak_kv_bytes")
-            result[f"replicas_used{label}"] = len({r["replica"] for r in out})
+        for side, affinity in SIDES.items():
+            one_pass(warm_up, affinity, params, args)
+        for round_ in range(args.repeats):
+            for side in (list(SIDES) if round_ % 2 == 0 else list(SIDES)[::-1]):
+                figures, answers = one_pass(rows, SIDES[side], params, args)
+                equal &= figures.pop("rows_out") == len(rows) and [
+                    answers.get(i) for i in range(len(rows))] == want
+                passes[side].append(figures)
     finally:
-        ray.shutdown()
-    result["cached_prompt_tokens_single_engine"] = single["cached_prompt_tokens"]
+        if started_ray:
+            ray.shutdown()
+    images = {r["image"] for r in rows if r["image"] is not None}  # two scenes may draw alike
+    result: dict[str, Any] = {"rows": len(rows), "distinct_images": len(images),
+                              "replicas": args.replicas, "single_engine_seconds": round(single_seconds, 2)}
+    for side, figures in passes.items():
+        suffix = "" if SIDES[side] else "_round_robin"
+        for key in figures[0]:
+            result[f"{key}{suffix}"] = round(statistics.median(f[key] for f in figures), 3)
+    result["keying_seconds"] = round(keying, 3)
+    result["startup_seconds"] = round(statistics.median(
+        f["startup_seconds"] for side in passes.values() for f in side), 2)
+    result["speedup_affinity_vs_round_robin"] = round(statistics.median(
+        rr["seconds"] / aff["seconds"] for rr, aff in zip(passes["round_robin"], passes["affinity"])), 3)
     result["encoder_calls_single_engine"] = single["encoder_calls"]
+    result["cached_prompt_tokens_single_engine"] = single["cached_prompt_tokens"]
     result["cached_prompt_tokens_vs_single_engine"] = round(
         result["cached_prompt_tokens"] / max(1, single["cached_prompt_tokens"]), 3)
-    result["speedup_affinity_vs_round_robin"] = round(result["wall_s_round_robin"] / result["wall_s"], 2)
     result["outputs_equal"] = equal
     return result

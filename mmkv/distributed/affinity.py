@@ -1,15 +1,23 @@
 """Affinity keys: the label that decides where a request runs, so that work sharing cache lands
 on one engine.
 
-An image's key is its canonical-pixel key (``vision.pixel_key``: every copy of one picture, PNG or
-lossless WebP, has one key), computed wherever the image is read; a text prompt's key is xxh3 of
-its first ``prefix_tokens`` token ids. The cache salt is part of every key, so requests that may
-never share KV are never grouped for sharing.
+A request's key names what it shares with others, as precisely as the request tells:
+
+* with an image: the image's canonical-pixel key (``vision.pixel_key``: every copy of one
+  picture, PNG or lossless WebP, has one key), computed wherever the image is read;
+* a chat request of several turns: every message before its last user turn (a shared system
+  document and earlier turns, whatever their length; the new question does not count);
+* a prompt whose shared part is named (a batch row's ``shared_prefix``): that part, whole;
+* otherwise, when nothing tells: its first ``prefix_tokens`` token ids.
+
+The cache salt is part of every key, so requests that may never share KV are never grouped for
+sharing.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import json
+from typing import Any, Sequence
 
 import xxhash
 
@@ -25,9 +33,26 @@ def image_affinity(image: ImageInput, cache_salt: str | None = None, name: str =
 
 def prefix_affinity(token_ids: Sequence[int], prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
                     cache_salt: str | None = None) -> str:
-    """The key of a text request: a hash of its first ``prefix_tokens`` token ids."""
-    head = ",".join(map(str, token_ids[:prefix_tokens])).encode()
-    return f"text:{_salt(cache_salt)}:{xxhash.xxh3_128_hexdigest(head)}"
+    """The key of a text request that names no shared part: its first ``prefix_tokens`` ids."""
+    return _text(",".join(map(str, token_ids[:prefix_tokens])), cache_salt)
+
+
+def shared_prefix_affinity(shared_prefix: str, cache_salt: str | None = None) -> str:
+    """The key of a prompt that names its shared part (the whole of it, however long)."""
+    return _text(shared_prefix, cache_salt, kind="shared")
+
+
+def chat_affinity(messages: list[dict[str, Any]], cache_salt: str | None = None) -> str | None:
+    """The key of a chat request ending in a user turn: every message before that turn. None for
+    a request of one turn, or one that does not end in a user turn (nothing tells what it shares)."""
+    if len(messages) < 2 or messages[-1].get("role") != "user":
+        return None
+    earlier = json.dumps(messages[:-1], sort_keys=True, ensure_ascii=False, default=str)
+    return _text(earlier, cache_salt, kind="chat")
+
+
+def _text(shared: str, cache_salt: str | None, kind: str = "text") -> str:
+    return f"{kind}:{_salt(cache_salt)}:{xxhash.xxh3_128_hexdigest(shared.encode())}"
 
 
 def _salt(cache_salt: str | None) -> str:

@@ -1,142 +1,129 @@
-"""Batch image and document Q&A over a Ray Dataset, with image and prefix affinity.
+"""Batch image and document Q&A over a Ray Dataset, on engine replicas built once, with image and
+prefix affinity.
 
-``answer(ds)`` runs the first two of three stages (the keys and the shuffle, a barrier whose
-output it holds in the object store) and returns the third, lazy:
+``Replicas``: ``n`` Ray actors, each one ``Engine`` behind an ``AsyncEngine`` (the requests of every
+call it is answering run in one continuous batch), built when the object is made; ``ready()``
+waits until every engine is up and says how long that took. They outlive any one job, so a
+session of jobs pays their start once, and they report their ``Engine.stats()`` to a
+``StatsBoard`` (``replicas.stats``) once built and after every call.
 
-1. **keys**: an actor pool reads each row's image (on the worker, never the driver) and gives the
-   row its affinity key (``affinity.py``: the image's canonical-pixel key, or a hash of the
-   prompt's first ``affinity_prefix_tokens`` token ids); a row that cannot be read gets its
-   ``error`` here and travels on.
-2. **partition**: a hash repartition on the key into an explicit number of blocks (Ray's default
-   shuffle parallelism of 200 would cost seconds), so every row of one key is in one block.
-3. **answer**: an actor pool of engine replicas, each building its ``Engine`` once, answers each
-   block in one ``generate`` call: an image is encoded once and its cross-attention K/V computed
-   once in the whole cluster, a document prefix prefilled once.
+``answer(ds, replicas)`` sends the dataset's blocks to the replicas in turn, as they are read,
+and returns the dataset of their answers once every block is answered (Ray Data runs small tasks
+of its own for this, so the cluster must keep a CPU free of the replicas). The replicas route
+among themselves, with no shuffle, no barrier and no process but theirs: the
+replica given a block keys each row (``rows.py`` and ``affinity.py``: the image's canonical-pixel
+key; else the row's ``shared_prefix``, whole; else a hash of its first ``affinity_prefix_tokens``
+token ids), answers the rows its key gives to it and sends every other row to the replica its key
+prefers (rendezvous hashing: one key, one replica, whichever replica keyed it). So an image is
+encoded once and its cross-attention K/V computed once in the whole cluster, and a document
+prefilled once, in whatever order and block its rows come. With ``affinity=False`` a block's
+rows go out in batches of ``batch_size`` to the replicas in turn, as Ray's own LLM processor sends
+batches to its engines.
 
-Guarantees: every input row comes out exactly once with the input's columns plus ``answer``,
-``finish_reason``, ``prompt_tokens``, ``cached_tokens``, ``replica`` and ``error`` (set instead of
-``answer`` for a row that failed; the other rows are unaffected). A replica that dies mid-job is
-restarted and its blocks retried (Ray Data's actor pools default to ``max_restarts=-1`` and
-``max_task_retries=-1``; a failed task's output is discarded and the task rerun), so no row is
-lost or duplicated.
+Guarantees: every input row comes out exactly once, in input order, with the input's columns plus
+``answer``, ``finish_reason``, ``prompt_tokens``, ``cached_tokens``, ``replica`` and ``error`` (set
+instead of ``answer`` for a row that failed; the other rows are unaffected). A replica that dies
+is restarted by Ray and the calls it had are sent again (``max_restarts=-1``,
+``max_task_retries=-1``; each call returns its rows once), so no row is lost or duplicated.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import ray
-from ray.data import ActorPoolStrategy, Dataset
-from transformers import AutoTokenizer
+from ray.data import Dataset
 
 from mmkv import Engine, SamplingParams
-from mmkv.distributed.affinity import DEFAULT_PREFIX_TOKENS, image_affinity, prefix_affinity
-from mmkv.distributed.stats_board import StatsBoard
 from mmkv.bundled import BUNDLED_MODEL
-from vision import ImageError
+from mmkv.distributed.affinity import DEFAULT_PREFIX_TOKENS
+from mmkv.distributed.routing import rendezvous_order
+from mmkv.distributed.rows import KEY, AffinityKeys, row_error, row_value
+from mmkv.distributed.stats_board import StatsBoard
+from mmkv.server.async_engine import AsyncEngine, RequestFailed
 
-KEY = "affinity"
-ACTOR_START_TIMEOUT_S = 600  # building an engine may load a large model
 OUTPUT_COLUMNS = ("answer", "finish_reason", "prompt_tokens", "cached_tokens", "replica", "error")
+UNBOUNDED = 1 << 30  # a batch job queues every row it is sent: admission never refuses
+NAMESPACE = "mmkv-batch"
 
 
-def answer(ds: Dataset, model: str | Path | None = None, replicas: int = 2,
-           params: SamplingParams | None = None, engine_options: dict[str, Any] | None = None, *,
+class Replicas:
+    """``n`` engine replicas on the Ray cluster, each reserving ``num_cpus`` (fractions allowed).
+    Raises ``ValueError`` for bad arguments before any actor starts. Use as a context manager,
+    or call ``close()``."""
+
+    def __init__(self, model: str | Path | None = None, n: int = 2,
+                 engine_options: dict[str, Any] | None = None, num_cpus: float = 1.0) -> None:
+        model = Path(model) if model is not None else BUNDLED_MODEL
+        if not (model / "config.json").is_file():
+            raise ValueError(f"model must be a model directory with a config.json, got {str(model)!r}")
+        _check_counts(n=n)
+        if not num_cpus >= 0:
+            raise ValueError(f"num_cpus must be >= 0, got {num_cpus!r}")
+        self.stats = StatsBoard()
+        # names, so that a restarted replica finds its peers again
+        self.names = [f"replica-{uuid.uuid4().hex[:8]}-{i}" for i in range(n)]
+        self.actors = [_EngineReplica.options(name=name, namespace=NAMESPACE, num_cpus=num_cpus,
+                                              max_restarts=-1, max_task_retries=-1)
+                       .remote(str(model), dict(engine_options or {}), self.stats.actor, self.names, i)
+                       for i, name in enumerate(self.names)]
+        self._started = time.perf_counter()
+
+    def ready(self) -> float:
+        """Wait until every replica's engine is built; the seconds since construction began."""
+        ray.get([actor.ready.remote() for actor in self.actors])
+        return time.perf_counter() - self._started
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+    def __enter__(self) -> Replicas:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def answer(ds: Dataset, replicas: Replicas, params: SamplingParams | None = None, *,
            affinity: bool = True, affinity_prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
-           partitions: int | None = None, batch_size: int = 16, num_cpus: float = 1.0,
-           stats: StatsBoard | None = None) -> Dataset:
-    """Answer every row of ``ds`` on ``replicas`` engine actors; returns the answered dataset, its
-    answering stage lazy (the keying and shuffle run before this returns).
+           batch_size: int = 64) -> Dataset:
+    """Answer every row of ``ds`` on ``replicas`` (the module docstring); returns once every row
+    is answered, the answers a materialized dataset in the object store.
 
     A row has ``prompt`` (text, with ``<image>`` where the model needs its image) or ``question``
     (asked about its image in the model's question template), optionally ``image`` (bytes, a path
-    readable on the workers, or a PIL image) and ``cache_salt``. With ``affinity=False`` rows go to
-    replicas in batches of ``batch_size`` as they come (plain ``map_batches``, as Ray's own LLM
-    processor does). ``partitions`` (default ``2 * replicas``) is the hash shuffle's block count;
-    ``num_cpus`` what each replica reserves (fractions allowed); ``stats`` collects each replica's
-    ``Engine.stats()``. Raises ``ValueError`` for bad arguments before anything runs.
-    """
-    model = Path(model) if model is not None else BUNDLED_MODEL
+    readable on the workers, or a PIL image), ``cache_salt`` and ``shared_prefix`` (the start of
+    ``prompt`` that other rows share, e.g. a document before the row's own question: rows with one
+    ``shared_prefix`` go to one replica whatever its length). Raises ``ValueError`` for bad
+    arguments before anything runs."""
     params = params if params is not None else SamplingParams()
-    _check(model, replicas, params, affinity_prefix_tokens, partitions, batch_size, num_cpus)
-    replica = dict(fn_constructor_args=(str(model), dict(engine_options or {}), params, stats),
-                   batch_format="pandas", num_cpus=num_cpus,
-                   compute=ActorPoolStrategy(size=replicas, max_tasks_in_flight_per_actor=1))
-    if not affinity:
-        out = ds.map_batches(_EngineReplica, batch_size=batch_size, **replica)
-    else:
-        keyed = ds.map_batches(_AffinityKeys, fn_constructor_args=(str(model), affinity_prefix_tokens),
-                               batch_format="pandas", num_cpus=min(num_cpus, 0.25),
-                               compute=ActorPoolStrategy(min_size=1, max_size=replicas))
-        # The shuffle is a barrier (no partition is done before every row is keyed): holding its
-        # output lets every replica start on a partition at once, instead of the first replica up
-        # taking each partition as the shuffle hands it over.
-        grouped = keyed.repartition(partitions or 2 * replicas, keys=[KEY]).materialize()
-        out = grouped.map_batches(_EngineReplica, batch_size=None, **replica).drop_columns([KEY])
-    # every replica is up before the first block is sent, so the first one up does not take all
-    out.context.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S
-    return out
-
-
-def _check(model: Path, replicas: int, params: Any, prefix_tokens: int, partitions: int | None,
-           batch_size: int, num_cpus: float) -> None:
-    if not (model / "config.json").is_file():
-        raise ValueError(f"model must be a model directory with a config.json, got {str(model)!r}")
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-    counts = {"replicas": replicas, "affinity_prefix_tokens": prefix_tokens, "batch_size": batch_size,
-              "partitions": 1 if partitions is None else partitions}
+    if not isinstance(replicas, Replicas) or not replicas.actors:
+        raise ValueError(f"replicas must be open Replicas, got {replicas!r}")
+    _check_counts(affinity_prefix_tokens=affinity_prefix_tokens, batch_size=batch_size)
+    if ray.available_resources().get("CPU", 0.0) < 1.0:  # Ray Data's own tasks would wait forever
+        raise ValueError("Ray Data needs a free CPU for its tasks, and the cluster has none left: "
+                         "give the replicas fewer num_cpus")
+    actors = replicas.actors
+    answered = [actors[k % len(actors)].route.remote(block, params, affinity, affinity_prefix_tokens,
+                                                     batch_size, k)
+                for k, block in enumerate(ds.to_pandas_refs())]
+    return ray.data.from_pandas_refs(answered)
+
+
+def _check_counts(**counts: int) -> None:
     for name, value in counts.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if not num_cpus >= 0:
-        raise ValueError(f"num_cpus must be >= 0, got {num_cpus!r}")
-
-
-def _value(batch: pd.DataFrame, column: str, i: int) -> Any:
-    """The row's value, None where the column is missing or the value is null."""
-    if column not in batch.columns:
-        return None
-    value = batch[column].iloc[i]
-    return None if pd.api.types.is_scalar(value) and pd.isna(value) else value
-
-
-def _row_error(prompt: Any, question: Any, image: Any) -> str | None:
-    if (prompt is None) == (question is None):
-        return "a row needs exactly one of 'prompt' and 'question'"
-    if question is not None and image is None:
-        return "a 'question' row needs an 'image'; send a 'prompt' for text"
-    return None
-
-
-class _AffinityKeys:
-    """Adds each row's affinity key, and ``error`` for a row whose image or shape is bad."""
-
-    def __init__(self, model: str, prefix_tokens: int) -> None:
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.prefix_tokens = prefix_tokens
-
-    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        keys, errors = [], []
-        for i in range(len(batch)):
-            prompt, question, image, salt = (_value(batch, c, i) for c in
-                                             ("prompt", "question", "image", "cache_salt"))
-            error = _row_error(prompt, question, image)
-            key = ""
-            if error is None and image is not None:
-                try:
-                    key = image_affinity(image, salt)
-                except ImageError as err:
-                    error = str(err)
-            elif error is None:
-                ids = self.tokenizer.encode(prompt)
-                key = prefix_affinity(ids, self.prefix_tokens, salt)
-            keys.append(key)
-            errors.append(error)
-        return batch.assign(**{KEY: keys, "error": errors})
 
 
 def row_prompt(engine: Engine, prompt: Any, question: Any, image: Any) -> Any:
@@ -146,42 +133,73 @@ def row_prompt(engine: Engine, prompt: Any, question: Any, image: Any) -> Any:
     return {"prompt": text, "images": [image]} if image is not None else text
 
 
+@ray.remote
 class _EngineReplica:
-    """One ``Engine``, built once, answering whole batches; reports its stats after each."""
+    """One ``Engine`` behind an ``AsyncEngine``: every call's rows join one continuous batch.
+    Routes the blocks it is given (the module docstring) and answers rows; reports its stats to
+    the board once built and after each call."""
 
-    def __init__(self, model: str, engine_options: dict[str, Any], params: SamplingParams,
-                 stats: StatsBoard | None) -> None:
-        self.engine = Engine(model, **engine_options)
-        self.params = params
-        self.stats = stats
-        actor = ray.get_runtime_context().get_actor_id() or "driver"
-        self.name = f"{actor[:8]}-{os.getpid()}"  # one name per incarnation
+    def __init__(self, model: str, engine_options: dict[str, Any], board: Any, names: list[str],
+                 index: int) -> None:
+        self.front = AsyncEngine(Engine(model, **engine_options), max_pending=UNBOUNDED)
+        self.front.start()
+        self.board, self.names, self.index = board, names, index
+        self.peers: dict[int, Any] = {}  # replica index -> its handle, looked up by name
+        self.name = f"{names[index]}-{os.getpid()}"  # one name per incarnation
+        self.board.report.remote(self.name, self.front.engine.stats())
 
-    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        n = len(batch)
-        columns: dict[str, list] = {c: [None] * n for c in OUTPUT_COLUMNS}
-        columns["prompt_tokens"], columns["cached_tokens"] = [0] * n, [0] * n
-        columns["error"] = [_value(batch, "error", i) for i in range(n)]
-        by_salt: dict[str | None, list[int]] = {}
-        prompts: dict[int, Any] = {}
-        for i in range(n):
-            prompt, question, image = (_value(batch, c, i) for c in ("prompt", "question", "image"))
-            columns["error"][i] = columns["error"][i] or _row_error(prompt, question, image)
-            if columns["error"][i] is not None:
-                continue
-            prompts[i] = row_prompt(self.engine, prompt, question, image)
-            by_salt.setdefault(_value(batch, "cache_salt", i), []).append(i)
-        for salt, rows in by_salt.items():
-            outs = self.engine.generate([prompts[i] for i in rows], self.params, use_tqdm=False,
-                                        cache_salt=salt, errors="return")
-            for i, out in zip(rows, outs):
-                columns["error"][i] = out.error
-                if out.error is None:
-                    columns["answer"][i] = out.text
-                    columns["finish_reason"][i] = out.finish_reason
-                columns["prompt_tokens"][i] = len(out.prompt_token_ids)
-                columns["cached_tokens"][i] = out.cached_tokens
-        columns["replica"] = [self.name] * n
-        if self.stats is not None:
-            self.stats.report(self.name, self.engine.stats())
-        return batch.assign(**columns)
+    def ready(self) -> str:
+        return self.name
+
+    async def route(self, block: pd.DataFrame, params: SamplingParams, affinity: bool,
+                    prefix_tokens: int, batch_size: int, position: int) -> pd.DataFrame:
+        """``block`` answered: each row here or on the replica it goes to, in input order."""
+        block = block.reset_index(drop=True)
+        n = len(self.names)
+        if affinity:
+            keys = AffinityKeys(self.front.engine.tokenizer, prefix_tokens)
+            block = await asyncio.to_thread(keys, block)  # reads every image: off the event loop
+            order = {name: i for i, name in enumerate(self.names)}
+            chosen = [order[rendezvous_order(key, self.names)[0]] for key in block[KEY]]
+            block = block.drop(columns=[KEY])
+        else:
+            chosen = [(position + i // batch_size) % n for i in range(len(block))]
+        calls = []
+        for target in sorted(set(chosen)):
+            rows = block.iloc[[i for i, c in enumerate(chosen) if c == target]]
+            calls.append(self.answer(rows, params) if target == self.index
+                         else self._peer(target).answer.remote(rows, params))
+        out = pd.concat(await asyncio.gather(*calls)).sort_index()
+        for column in ("answer", "finish_reason", "error"):  # one kind of missing value: None
+            out[column] = out[column].astype(object).where(out[column].notna(), None)
+        return out
+
+    def _peer(self, index: int) -> Any:
+        if index not in self.peers:
+            self.peers[index] = ray.get_actor(self.names[index], namespace=NAMESPACE)
+        return self.peers[index]
+
+    async def answer(self, rows: pd.DataFrame, params: SamplingParams) -> pd.DataFrame:
+        """``rows`` with their output columns, every row's request in flight at once."""
+        outs = await asyncio.gather(*(self._row(rows, i, params) for i in range(len(rows))))
+        await self.board.report.remote(self.name, self.front.engine.stats())
+        return rows.assign(**{c: [out[c] for out in outs] for c in OUTPUT_COLUMNS})
+
+    async def _row(self, rows: pd.DataFrame, i: int, params: SamplingParams) -> dict[str, Any]:
+        """One row's output columns: its answer, or its error (the other rows go on)."""
+        prompt, question, image, shared, salt = (
+            row_value(rows, c, i) for c in ("prompt", "question", "image", "shared_prefix", "cache_salt"))
+        out = {"answer": None, "finish_reason": None, "prompt_tokens": 0, "cached_tokens": 0,
+               "replica": self.name,
+               "error": row_value(rows, "error", i) or row_error(prompt, question, image, shared)}
+        if out["error"] is not None:
+            return out
+        try:
+            async for _, result in self.front.generate(
+                    [row_prompt(self.front.engine, prompt, question, image)], params, salt, stream=False):
+                if result.finished:
+                    out.update(answer=result.text, finish_reason=result.finish_reason,
+                               prompt_tokens=len(result.prompt_token_ids), cached_tokens=result.cached_tokens)
+        except (ValueError, RequestFailed) as err:
+            out["error"] = str(err)
+        return out

@@ -2,9 +2,9 @@
 
 The ingress runs the same FastAPI app as ``mmkv serve`` (``mmkv.server.app``) over this front
 instead of one ``AsyncEngine``. Each submission gets its affinity key here, where its images were
-read and its prompt can be tokenized (``affinity.py``: the first image's pixel key, else a hash of
-the prompt's first tokens), and goes to the replica that ``router.CacheAwareRouter`` picks, as one
-streaming call.
+read and its prompt can be tokenized (``affinity.py``: the first image's pixel key, else every
+chat message before the last user turn, else a hash of the prompt's first tokens), and goes to
+the replica that ``router.CacheAwareRouter`` picks, as one streaming call.
 
 Guarantees: a submission that ends early (client gone, error) cancels its call, and the replica's
 ``AsyncEngine`` aborts its requests; a replica's refusal (``ValueError``) or failure reaches the
@@ -21,7 +21,7 @@ from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 
 from mmkv import RequestOutput, SamplingParams
-from mmkv.distributed.affinity import image_affinity, prefix_affinity
+from mmkv.distributed.affinity import chat_affinity, image_affinity, prefix_affinity
 from mmkv.preparer import longest_token, render_chat
 from mmkv.server.async_engine import Admission, ChatPrompt, Ticket
 
@@ -85,6 +85,9 @@ class ReplicaSetFront:
             if isinstance(prompt, ChatPrompt) and prompt.images:
                 return image_affinity(prompt.images[0], cache_salt)
             if isinstance(prompt, ChatPrompt):
+                shared = chat_affinity(prompt.messages, cache_salt)
+                if shared is not None:
+                    return shared
                 ids = render_chat(self.tokenizer, prompt.messages)
             elif isinstance(prompt, str):
                 ids = self.tokenizer.encode(prompt[:self.prefix_chars])

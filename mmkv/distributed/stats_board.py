@@ -18,9 +18,14 @@ import ray
 class _Board:
     def __init__(self) -> None:
         self.reports: dict[str, tuple[float, dict[str, int]]] = {}
+        self.first: dict[str, float] = {}
 
     def report(self, replica: str, stats: dict[str, int]) -> None:
         self.reports[replica] = (time.time(), stats)
+        self.first.setdefault(replica, self.reports[replica][0])
+
+    def first_reports(self) -> dict[str, float]:
+        return dict(sorted(self.first.items()))
 
     def snapshot(self, max_age_s: float | None) -> dict[str, dict[str, int]]:
         now = time.time()
@@ -43,6 +48,10 @@ class StatsBoard:
     def snapshot(self, max_age_s: float | None = None) -> dict[str, dict[str, int]]:
         """Replica name -> its latest stats (only those reported within ``max_age_s``, if given)."""
         return ray.get(self.actor.snapshot.remote(max_age_s))
+
+    def first_reports(self) -> dict[str, float]:
+        """Replica name -> when (``time.time()``) it first reported: when its engine was ready."""
+        return ray.get(self.actor.first_reports.remote())
 
     def total(self, key: str) -> int:
         return sum(stats.get(key, 0) for stats in self.snapshot().values())
