@@ -119,8 +119,11 @@ def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
                    "--repeats", "1", "--seconds", "0")
     assert result["outputs_equal"] is True
     cells = [f"{name}_{load}_b{b}" for name in ("early_exit", "draft")
-             for load in ("scenes", "summaries") for b in (1, 2)]
+             for load in ("scenes", "summaries", "short") for b in (1, 2)]
     assert result["min_speedup"] == min(result[f"speedup_{cell}"] for cell in cells) > 0
+    versus = {cell: round(result[f"speedup_{cell}"] / max(1.0, result[f"fixed_{cell}"]), 3) for cell in cells}
+    assert all(result[f"controller_vs_best_fixed_{cell}"] == v for cell, v in versus.items())
+    assert result["controller_vs_best_fixed_min"] == min(versus.values())
     assert result["rounds_b1"] == result["rounds_b2"] == 1
     for name in ("early_exit", "draft"):  # calibrated at construction: a short job pays for it
         assert result[f"calibration_seconds_{name}_b1"] > 0
@@ -134,7 +137,7 @@ def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     assert result["draft_extra_blocks_early_exit"] == (result["peak_blocks_early_exit_b2"]
                                                        - result["peak_blocks_plain_b2"])
     assert (tmp_path / "speedup.png").stat().st_size > 0
-    floor = [result[f"plain_vs_plain_{load}_b{b}"] for load in ("scenes", "summaries") for b in (1, 2)]
+    floor = [result[f"plain_vs_plain_{load}_b{b}"] for load in ("scenes", "summaries", "short") for b in (1, 2)]
     assert result["plain_vs_plain_range"] == [min(floor), max(floor)] and min(floor) > 0
     assert all(result[f"decode_speedup_{cell}"] > 0 for cell in cells)
     assert 0 < result["prefill_share_plain_b1"] < 1 and 0 < result["prefill_share_plain_b2"] < 1
@@ -148,7 +151,7 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
     scripted: 2 s plain, early exit 1 s and 0.5 s all accepted, the draft model 2 s and, all
     accepted, a noisy 4 s; 0.5 s of each in prompt steps.)"""
     seconds = {"plain": 2.0, "plain_again": 2.0, "early_exit": 1.0, "early_exit_all_accepted": 0.5,
-               "draft": 2.0, "draft_all_accepted": 4.0}
+               "draft": 2.0, "draft_all_accepted": 4.0, "early_exit_fixed": 0.8, "draft_fixed": 2.5}
     stats = {"spec_rounds": 1, "spec_drafted_tokens": 1, "spec_accepted_tokens": 1, "spec_decisions": 1,
              "spec_zero_drafts": 0, "spec_seq_mean_draft_length_mean": 1.0, "peak_blocks_in_use": 1}
 
@@ -164,7 +167,7 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
     spec_bench.add_arguments(parser)
     result = spec_bench.run(parser.parse_args(["--batches", "8", "--requests", "2", "--all-accepted",
                                                "--chart", str(tmp_path / "chart.png")]))
-    for load in ("scenes", "summaries"):
+    for load in ("scenes", "summaries", "short"):
         assert result[f"all_accepted_early_exit_{load}_b8"] == 4.0
         assert result[f"all_accepted_draft_{load}_b8"] == 0.5
     assert result["all_accepted_early_exit_b8"] == 4.0 and result["all_accepted_draft_b8"] == 0.5
@@ -173,6 +176,13 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
         assert result[f"decode_speedup_early_exit_{load}_b8"] == 3.0
         assert result[f"decode_speedup_draft_{load}_b8"] == 1.0
     assert result["decode_speedup_early_exit_b8"] == 3.0 and result["prefill_share_plain_b8"] == 0.25
+    # fixed rounds: early exit's 2.5x beats its controller's 2x; the draft model's 0.8x loses to
+    # plain decoding, which its controller's 1x matches
+    assert result["fixed_early_exit_short_b8"] == 2.5 and result["fixed_draft_short_b8"] == 0.8
+    assert result["controller_vs_best_fixed_early_exit_scenes_b8"] == 0.8
+    assert result["controller_vs_best_fixed_draft_summaries_b8"] == 1.0
+    assert result["controller_vs_best_fixed_min"] == 0.8
+    assert result["controller_vs_best_fixed_min_cell"].startswith("early_exit_")
 
 
 def _shares_a_block(warm: list[int], prompts: list[list[int]], block: int = 16) -> bool:
@@ -198,8 +208,11 @@ def test_no_warm_up_shares_a_block_or_an_image_with_its_workload():
     loads, warm = spec_bench.workloads(32, 11), spec_bench.warm_ups(11)
     assert set(warm) == set(loads)
     assert not _shares_a_block(encode(warm["summaries"][0]), [encode(t) for t in loads["summaries"]])
-    pixels = {scene["images"][0].tobytes() for scene in loads["scenes"]}
-    assert warm["scenes"][0]["images"][0].tobytes() not in pixels
+    for load in ("scenes", "short"):  # each warm-up a scene the workload never shows
+        pixels = {p["images"][0].tobytes() for p in loads[load] if isinstance(p, dict)}
+        assert warm[load][0]["images"][0].tobytes() not in pixels
+    texts = [t for t in loads["short"] if isinstance(t, str)]
+    assert texts and not _shares_a_block(encode(warm["summaries"][0]), [encode(t) for t in texts])
 
 
 @pytest.mark.parametrize("method", ["early_exit", "draft_model"])

@@ -2,10 +2,15 @@
 draft model, each with the draft-length controller on, at batch sizes 1, 8 and 32, with
 transformers' assisted generation on the same weights as the peer.
 
-Workloads: scene descriptions (``describe the scene.``, ~46 answer tokens) and report summaries
-(``summarise the report.``, ~25 tokens), greedy. Every cell of {scenes, summaries} x {1, 8, 32} x
-{early exit, draft model} is a speedup over plain decoding of the same prompts at the same batch
-size in the same run; ``min_speedup`` is the least of them. Batch 1 serves the first
+Workloads: scene descriptions (``describe the scene.``, ~46 answer tokens), report summaries
+(``summarise the report.``, ~25 tokens) and ``short``: short questions about scenes and reports
+alternately (2-8 tokens; no controller setting was tuned on it), greedy. Every cell of {scenes,
+summaries, short} x {1, 8, 32} x {early exit, draft model} is a speedup over plain decoding of the
+same prompts at the same batch size in the same run; ``min_speedup`` is the least of them. Each
+method also runs with fixed rounds (``draft_length="fixed"``: every round drafts ``--num-tokens``,
+each sequence stopping where its draft is unsure): ``fixed_<cell>``, and
+``controller_vs_best_fixed_<cell>`` the controller's speedup over the better of fixed rounds and
+plain decoding (``controller_vs_best_fixed_min``: the least over cells). Batch 1 serves the first
 ``--batch1-requests`` prompts one at a time, batches 8 and 32 serve all ``--requests``.
 transformers runs the batch-1 summaries (its Mllama text model takes no image without the
 cross-attention plumbing), the only batch size its assisted generation supports. Every greedy
@@ -39,6 +44,7 @@ the pass costs allow.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -52,7 +58,8 @@ from mmkv.bench import gc_paused, timed
 from mmkv.bundled import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL, BUNDLED_SPECULATION
 from mmkv.models import MmkvVLM
 from mmkv.models.base import read_config_json
-from mmkv.synthetic import document_prompt, random_report, random_scene, scene_prompt
+from mmkv.synthetic import (document_prompt, random_report, random_scene, report_questions, scene_prompt,
+                            scene_questions)
 from speculative import SpeculativeConfig
 from speculative.proposers import SpeculationStats
 
@@ -60,6 +67,7 @@ PARAMS = SamplingParams(max_tokens=48)
 METHODS = ("early_exit", "draft")  # the speculative configs (plain_again: plain beside plain)
 MAX_ROUNDS = 4  # a batch size's counted rounds are at most this x --repeats
 ALL_ACCEPTED = "_all_accepted"  # a method's config with the target's own tokens as its drafts
+FIXED = "_fixed"  # a method's config drafting its most tokens every round (no controller)
 PLAIN = "plain"  # the plain engine every config runs beside
 
 
@@ -91,12 +99,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def workloads(n: int, seed: int) -> dict[str, list]:
-    """``n`` prompts of each workload, drawn from ``seed``."""
+    """``n`` prompts of each workload, drawn from ``seed``: scene descriptions, report summaries
+    and ``short``, short questions (a count, a colour, a field of a report: 2-8 answer tokens)
+    about scenes and reports alternately, a workload no controller setting was tuned on."""
     rng = random.Random(seed)
     scenes = [{"prompt": scene_prompt("describe the scene."), "images": [random_scene(rng).render()]}
               for _ in range(n)]
     docs = [document_prompt(random_report(rng), "summarise the report.") for _ in range(n)]
-    return {"scenes": scenes, "summaries": docs}
+    short: list = []
+    for i in range(n):
+        if i % 2 == 0:
+            scene = random_scene(rng)
+            asked = [qa for qa in scene_questions(scene, rng) if qa.kind != "describe"]
+            short.append({"prompt": scene_prompt(rng.choice(asked).question), "images": [scene.render()]})
+        else:
+            report = random_report(rng)
+            asked = [qa for qa in report_questions(report) if qa.kind != "summary"]
+            short.append(document_prompt(report, rng.choice(asked).question))
+    return {"scenes": scenes, "summaries": docs, "short": short}
 
 
 def warm_ups(seed: int) -> dict[str, list]:
@@ -208,10 +228,12 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
 
 def variants(speculative: dict[str, SpeculativeConfig], all_accepted: bool
              ) -> dict[str, SpeculativeConfig | None]:
-    """Every config a round runs beside a plain engine: the methods, ``plain_again`` (plain
-    decoding against itself, the noise floor) and with ``all_accepted`` each method's
-    all-accepted config."""
+    """Every config a round runs beside a plain engine: the methods, each method's fixed rounds
+    (``draft_length="fixed"``: what the controller must match), ``plain_again`` (plain decoding
+    against itself, the noise floor) and with ``all_accepted`` each method's all-accepted config."""
     configs: dict[str, SpeculativeConfig | None] = {**speculative, "plain_again": None}
+    configs |= {name + FIXED: dataclasses.replace(config, draft_length="fixed")
+                for name, config in speculative.items() if config.draft_length != "fixed"}
     if all_accepted:
         configs |= {name + ALL_ACCEPTED: config for name, config in speculative.items()}
     return configs
@@ -295,6 +317,10 @@ def run(args: argparse.Namespace) -> dict:
                 result[f"all_accepted_{name[:-len(ALL_ACCEPTED)]}_{load}_b{batch}"] = round(
                     paired(base[name, load], seconds[name, load]), 2)
                 continue
+            if name.endswith(FIXED):
+                result[f"fixed_{name[:-len(FIXED)]}_{load}_b{batch}"] = round(
+                    paired(base[name, load], seconds[name, load]), 2)
+                continue
             cell, stats = f"{name}_{load}_b{batch}", [r[2] for r in rs]  # every round's run
             more = tokens(outs[name, load]) / tokens(reference[load])
             result[f"speedup_{cell}"] = round(paired(base[name, load], seconds[name, load]) * more, 2)
@@ -341,10 +367,17 @@ def run(args: argparse.Namespace) -> dict:
             if name + ALL_ACCEPTED in configs:
                 result[f"all_accepted_{name}_b{batch}"] = round(
                     paired(both_base[name + ALL_ACCEPTED], both[name + ALL_ACCEPTED]), 2)
-    cells = {k: v for k, v in result.items()
+    cells = {k[len("speedup_"):]: v for k, v in result.items()
              if k.startswith("speedup_") and any(f"_{load}_b" in k for load in loads)}
     result["min_speedup"] = min(cells.values())
-    result["min_speedup_cell"] = min(cells, key=cells.get)[len("speedup_"):]
+    result["min_speedup_cell"] = min(cells, key=cells.get)
+    # the controller against the better of fixed rounds and plain decoding (1.0), cell by cell
+    versus = {cell: round(v / max(1.0, result[f"fixed_{cell}"]), 3)
+              for cell, v in cells.items() if f"fixed_{cell}" in result}
+    result |= {f"controller_vs_best_fixed_{cell}": v for cell, v in versus.items()}
+    if versus:
+        result["controller_vs_best_fixed_min"] = min(versus.values())
+        result["controller_vs_best_fixed_min_cell"] = min(versus, key=versus.get)
     floor = [v for k, v in result.items() if k.startswith("plain_vs_plain_")]
     result["plain_vs_plain_range"] = [min(floor), max(floor)]
     if len(batches) > 1:
