@@ -27,7 +27,7 @@ from speculative import SpeculativeConfig
 from speculative.controller import Settings
 
 METHODS = ("early_exit", "draft_model")
-LOADS = ("scenes", "summaries")
+LOADS = ("scenes", "summaries", "short")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
