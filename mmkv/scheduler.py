@@ -279,9 +279,10 @@ class Scheduler:
                                                 lambda s: self.restore_estimate(s)[1],
                                                 self.clock()))
                 victim = next(victims)
-                if victim in batch.seqs:
+                if victim in batch.seqs:  # give back the slots this step reserved for it
                     at = batch.seqs.index(victim)
                     del batch.seqs[at], batch.q_lens[at]
+                    self.kv.truncate(victim.table, victim.num_computed)
                 self.running.remove(victim)
                 self._preempt(victim)
                 if victim is seq:

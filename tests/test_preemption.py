@@ -86,10 +86,11 @@ def test_ties_go_to_the_newest_and_weights_must_not_be_negative():
 
 # -- the scheduler, without a model --------------------------------------------------------------
 
-def make_scheduler(blocks: int, policy: str, host_blocks: int = 0, now=lambda: 0.0) -> Scheduler:
+def make_scheduler(blocks: int, policy: str, host_blocks: int = 0, now=lambda: 0.0,
+                   preemption: str = "recompute") -> Scheduler:
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=BLOCK, dtype=torch.float32)
     kv = KVCache(layout, blocks, num_host_blocks=host_blocks)
-    config = SchedulerConfig(max_num_batched_tokens=4096, preemption="recompute",
+    config = SchedulerConfig(max_num_batched_tokens=4096, preemption=preemption,
                              preemption_policy=policy, preemption_weights=WEIGHTS)
     return Scheduler(kv, config, lambda start, count: 1e9 * count, "cpu", clock=now)
 
@@ -138,6 +139,27 @@ def test_a_full_pool_preempts_the_cheapest_not_the_newest():
         assert scheduler.stats()["max_preemptions_per_request"] == 1
         for seq in (old, short, long):
             scheduler.finish(seq)
+
+
+def test_a_sequence_swapped_out_after_its_slot_was_reserved_comes_back_holding_only_its_tokens():
+    """A decoding step reserves a slot for the first sequence, then the second needs a block the
+    full pool does not have, and the first (one block against two: the cheaper) is swapped out.
+    The slot reserved for it this step is given back first: swapped in later, its table holds
+    exactly its computed tokens (a slot kept would be K/V never computed, read as the next
+    token's)."""
+    scheduler = make_scheduler(3, "cost", host_blocks=4, preemption="swap")
+    first, second = sequence(prompt=3), sequence(prompt=8)
+    for seq in (first, second):
+        scheduler.add(seq)
+    run_step(scheduler)  # both prefilled: 1 + 2 blocks, the pool full
+    assert run_step(scheduler) == [second] and first.swapped is not None
+    scheduler.check_integrity()
+    assert first.swapped.num_tokens == first.num_computed == 3
+    scheduler.finish(second)
+    assert run_step(scheduler) == [first]  # swapped in, its pending token computed
+    scheduler.check_integrity()
+    assert first.table.num_tokens == first.num_computed == 4
+    scheduler.finish(first)
 
 
 # -- an engine under a steady stream -------------------------------------------------------------
