@@ -279,10 +279,9 @@ class Scheduler:
                                                 lambda s: self.restore_estimate(s)[1],
                                                 self.clock()))
                 victim = next(victims)
-                if victim in batch.seqs:  # give back the slots this step reserved for it
+                if victim in batch.seqs:
                     at = batch.seqs.index(victim)
                     del batch.seqs[at], batch.q_lens[at]
-                    self.kv.truncate(victim.table, victim.num_computed)
                 self.running.remove(victim)
                 self._preempt(victim)
                 if victim is seq:
@@ -432,6 +431,9 @@ class Scheduler:
 
     # -- preemption -----------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
+        """Swap ``seq`` out or drop it to recompute; either way it keeps only its computed tokens
+        (slots this step reserved for it are given back first)."""
+        self.kv.truncate(seq.table, seq.num_computed)
         self._release_images(seq)  # they stay cached; resuming takes them again
         seq.preemptions += 1
         self.preemptions.most_per_request = max(self.preemptions.most_per_request, seq.preemptions)
