@@ -1,10 +1,11 @@
 """Where engine replicas report their ``Engine.stats()``: a small Ray actor (no CPU) that keeps
 each replica's latest report and when it came.
 
-A batch replica reports once its engine is built and after every call it answers
-(``Replicas``); a Serve replica on a heartbeat, so the board's totals are the cluster's figures once the work is done. A
-replica that dies keeps its last report: its work happened. Each incarnation of a replica reports
-under a name of its own, so a restarted replica's fresh counters never overwrite the old ones.
+A batch replica reports once its engine is built and after every call it answers (``Replicas``);
+a Serve replica on a heartbeat, so the board's totals are the cluster's figures once the work is
+done. A replica that dies keeps its last report: its work happened. Each incarnation of a replica
+reports under a name of its own, so a restarted replica's fresh counters never overwrite the old
+ones.
 """
 
 from __future__ import annotations
