@@ -25,14 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from transformers import (AutoImageProcessor, DynamicCache, MllamaForConditionalGeneration,
+from transformers import (AutoImageProcessor, MllamaForConditionalGeneration,
                           Qwen2_5_VLForConditionalGeneration)
 from transformers.models.mllama.processing_mllama import (
     convert_sparse_cross_attention_mask_to_dense, get_cross_attention_token_mask)
 
 from mmkv import Engine, SamplingParams
 from mmkv.bench import timed
-from mmkv.bench.prefix_bench import add_device_arguments
+from mmkv.bench.prefix_bench import add_device_arguments, hf_prefix_reuse
 from mmkv.bench.random_models import (BENCH_LLAMA, MLLAMA_IMAGE_TOKEN, QWEN_VL_TOKENS,
                                       save_random_mllama, save_random_qwen2_5_vl, text_size)
 
@@ -76,32 +76,22 @@ def mllama_answers(model, processor, images: list[Image.Image], prompts: list[li
     return out[:, len(prompts[0]):].tolist()
 
 
-@torch.inference_mode()
 def mllama_prefix_reuse(model, processor, image: Image.Image, prompts: list[list[int]],
                         new: int) -> list[list[int]]:
-    """transformers with its cache reused, one image's questions in one batch: the image's prefix
-    (its placeholder and the token after it) prefilled once, so the vision tower runs once and
-    the cross-attention layers' K/V of the image enter the cache; the cache repeated for every
-    question; one batched ``generate`` from it."""
+    """transformers with its cache reused, one image's questions in one batch
+    (``prefix_bench.hf_prefix_reuse``): the image's prefix (its placeholder and the token after
+    it) prefilled once with the image, so the vision tower runs once and the cross-attention
+    layers' K/V of the image enter the cache."""
     prefix = prompts[0][:len(IMAGE_PREFIX["mllama"])]
-    if any(p[:len(prefix)] != prefix or len(p) != len(prompts[0]) for p in prompts):
-        raise ValueError("prefix reuse needs questions of one length after one image prefix")
     inputs = processor(images=[[image]], return_tensors="pt")
     tiles = [[int(m.sum()) for m in row] for row in inputs["aspect_ratio_mask"]]
     device = model.device
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([prefix], device=device),
-          pixel_values=inputs["pixel_values"].to(device, model.dtype),
-          aspect_ratio_ids=inputs["aspect_ratio_ids"].to(device),
-          aspect_ratio_mask=inputs["aspect_ratio_mask"].to(device),
-          cross_attention_mask=_mllama_mask(model, [prefix], tiles).to(device), cache=cache,
-          logits_to_keep=1)
-    cache.batch_repeat_interleave(len(prompts))
-    ids = torch.tensor(prompts, device=device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
-                         cross_attention_mask=_mllama_mask(model, prompts, tiles * len(prompts)).to(device),
-                         max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    return out[:, ids.shape[1]:].tolist()
+    image_inputs = {"pixel_values": inputs["pixel_values"].to(device, model.dtype),
+                    "aspect_ratio_ids": inputs["aspect_ratio_ids"].to(device),
+                    "aspect_ratio_mask": inputs["aspect_ratio_mask"].to(device),
+                    "cross_attention_mask": _mllama_mask(model, [prefix], tiles).to(device)}
+    return hf_prefix_reuse(model, prefix, prompts, new, image_inputs,
+                           cross_attention_mask=_mllama_mask(model, prompts, tiles * len(prompts)).to(device))
 
 
 def _mllama_mask(model, prompts: list[list[int]], tiles: list[list[int]]) -> torch.Tensor:

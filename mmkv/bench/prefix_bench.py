@@ -103,20 +103,23 @@ def best_of(repeats: int, fn):
 
 
 @torch.inference_mode()
-def hf_prefix_reuse(model, prefix: list[int], prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def hf_prefix_reuse(model, prefix: list[int], prompts: list[list[int]], new_tokens: int,
+                    prefix_inputs: dict | None = None, **generate_kwargs) -> list[list[int]]:
     """transformers with its documented prefix caching, in one batch: the shared prefix prefilled
     once into a ``DynamicCache`` (logits of its last position only), the cache repeated for every
     prompt, and one batched ``generate`` that computes only what follows the prefix. The prompts
-    are the prefix and suffixes of one length (no padding to move the prefix)."""
+    are the prefix and suffixes of one length (no padding to move the prefix). ``prefix_inputs``:
+    the prefix pass's other inputs (an image's pixels); ``generate_kwargs``: ``generate``'s."""
     if len({len(p) for p in prompts}) != 1 or any(p[:len(prefix)] != prefix for p in prompts):
         raise ValueError("prefix reuse needs prompts of one length that all start with the prefix")
     cache = DynamicCache(config=model.config)
-    model(torch.tensor([prefix], device=model.device), cache=cache, logits_to_keep=1)
+    model(input_ids=torch.tensor([prefix], device=model.device), **(prefix_inputs or {}), cache=cache,
+          logits_to_keep=1)
     cache.batch_repeat_interleave(len(prompts))
     ids = torch.tensor(prompts, device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                         pad_token_id=0)
+                         pad_token_id=0, **generate_kwargs)
     return out[:, ids.shape[1]:].tolist()
 
 
