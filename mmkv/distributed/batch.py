@@ -76,7 +76,7 @@ class Replicas:
         self._started = time.perf_counter()
 
     def ready(self) -> float:
-        """Wait until every replica's engine is built; the seconds since construction began."""
+        """Wait until every replica's engine is built; the seconds since their actors were started."""
         ray.get([actor.ready.remote() for actor in self.actors])
         return time.perf_counter() - self._started
 
