@@ -3,8 +3,11 @@
 Layout per layer is FlashInfer's NHD paged format ``[num_blocks, 2, block_size, num_kv_heads,
 head_dim]`` (index 0 of dim 1 is K, 1 is V). Block ids index dim 0 of every layer at once. The host
 tier has the same layout in CPU memory (pinned when CUDA is present) and holds swapped-out blocks.
+Each layer has its own storage dtype (``cache.kv_format``: the model's, int8 with each row's scale
+in the row's last bytes, or fp8), so a compressed layer's scales are part of its blocks.
 
-Guarantees: copies and swaps move every layer's K and V of the slots they name bit for bit.
+Guarantees: copies and swaps move every layer's K and V of the slots they name bit for bit,
+scales included.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from cache.kv_format import row_width
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -35,18 +40,33 @@ def parse_bytes(size: str | int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Shape of one model's KV cache."""
+    """Shape of one model's KV cache and each layer's storage dtype (``layer_dtypes``, default
+    ``dtype`` for every layer): with the model, a cache's identity, so blocks never move between
+    caches of different layouts."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int = 16
     dtype: torch.dtype = torch.float32
+    layer_dtypes: tuple[torch.dtype, ...] | None = None
+
+    def dtype_of(self, layer: int) -> torch.dtype:
+        """The storage dtype of layer ``layer``."""
+        return self.dtype if self.layer_dtypes is None else self.layer_dtypes[layer]
+
+    def layer_shape(self, layer: int) -> tuple[int, ...]:
+        """One block of layer ``layer``: ``(2, block_size, kv_heads, row width)``."""
+        return 2, self.block_size, self.num_kv_heads, row_width(self.dtype_of(layer), self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """Bytes of one block over every layer, scales included."""
+        total = 0
+        for i in range(self.num_layers):
+            elem = torch.empty((), dtype=self.dtype_of(i)).element_size()
+            total += elem * torch.Size(self.layer_shape(i)).numel()
+        return total
 
 
 class KVStorage:
@@ -70,11 +90,10 @@ class KVStorage:
         self.stores: list[list[torch.Tensor]] = []
         self.host: list[torch.Tensor] = []
         for lay in self.layouts:
-            shape = (2, lay.block_size, lay.num_kv_heads, lay.head_dim)
-            self.stores.append([torch.zeros((num_blocks, *shape), dtype=lay.dtype, device=self.device)
-                                for _ in range(lay.num_layers)])
-            self.host += [torch.zeros((num_host_blocks, *shape), dtype=lay.dtype, pin_memory=pin)
-                          for _ in range(lay.num_layers)]
+            self.stores.append([torch.zeros((num_blocks, *lay.layer_shape(i)), dtype=lay.dtype_of(i),
+                                            device=self.device) for i in range(lay.num_layers)])
+            self.host += [torch.zeros((num_host_blocks, *lay.layer_shape(i)), dtype=lay.dtype_of(i),
+                                      pin_memory=pin) for i in range(lay.num_layers)]
         self.layers = [t for store in self.stores for t in store]
 
     @property

@@ -49,6 +49,10 @@ class Engine:
     Guarantees: greedy output equals transformers' ``generate`` on the same weights whatever the
     batch, cache hits, chunking or preemption; a request that cannot be served raises
     ``ValueError`` when submitted and never disturbs the others; finished requests hold no blocks.
+    With ``kv_cache_dtype`` ``"int8"`` or ``"fp8_e4m3"`` the cache stores K/V compressed
+    (``cache.kv_format``; the layers of ``kv_cache_dtype_layers`` stay in the model's dtype):
+    ``kv_cache_memory`` then holds about 2x (of bfloat16) to 4x (of float32) the tokens, and the
+    output is the model's over the compressed K/V, no longer token for token transformers'.
     """
 
     attention_planning: ClassVar[AttentionPlanning] = AttentionPlanning()
@@ -61,17 +65,22 @@ class Engine:
                  preemption: str = "auto", preemption_policy: str = "cost",
                  preemption_weights: CostWeights | None = None,
                  speculative: SpeculativeConfig | None = None,
-                 attention_backend: str | AttentionBackend = "auto", debug: bool = False) -> None:
+                 attention_backend: str | AttentionBackend = "auto", kv_cache_dtype: str = "auto",
+                 kv_cache_dtype_layers: Seq[int] | None = None, debug: bool = False) -> None:
         device = resolve_device(device)
         self.model = load_model(model, device, dtype)
         draft = None
         if speculative is not None and speculative.method == "draft_model":
             draft = load_model(speculative.draft_model, device, self.model.dtype)
-        shapes = [(m.dtype, m.kv_layout(block_size).head_dim) for m in (self.model, draft) if m]
-        self.attention = choose_backend(attention_backend, device, shapes)
-        self.kv = KVCache.from_memory(self.model.kv_layout(block_size), kv_cache_memory,
-                                      host_kv_memory, device, eviction_policy,
-                                      [draft.kv_layout(block_size)] if draft is not None else [])
+        layouts = [self.model.kv_layout(block_size, kv_cache_dtype, kv_cache_dtype_layers or ())]
+        if draft is not None:
+            layouts.append(draft.kv_layout(block_size, kv_cache_dtype))
+        shapes = [(m.dtype, lay.head_dim) for m, lay in zip((self.model, draft), layouts)]
+        stored = {lay.dtype_of(i) for lay in layouts for i in range(lay.num_layers)}
+        self.attention = choose_backend(attention_backend, device, shapes, stored)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv = KVCache.from_memory(layouts[0], kv_cache_memory, host_kv_memory, device,
+                                      eviction_policy, layouts[1:])
         if self.model.vision is not None and not enable_prefix_caching:
             self.model.vision.cache.resize(0)  # no reuse of any kind
         self.image_kv = (CrossAttentionKV(self.kv, self.model, self.attention,
@@ -339,6 +348,9 @@ class Engine:
             **{name: round(seconds, 6) for name, seconds in self._step_seconds.items()},
             **scheduler,
             "blocks_total": pool.num_blocks,
+            "kv_pool_tokens": pool.num_blocks * self.kv.block_size,
+            "kv_pool_bytes": self.kv.storage.device_bytes,
+            "kv_bytes_per_token": self.kv.bytes_per_block // self.kv.block_size,
             "blocks_in_use": pool.num_in_use,
             "blocks_evictable": pool.num_evictable,
             "blocks_free": pool.num_free,

@@ -27,6 +27,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--host-kv-memory", default="1GiB",
                         help="bytes of the host tier that preempted sequences swap to")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    engine.add_argument("--kv-cache-dtype", default="auto",
+                        help="how blocks store K/V: auto (the model's dtype), int8 (a scale per "
+                             "token and head) or fp8_e4m3: 2-4x the tokens in the same memory")
+    engine.add_argument("--kv-cache-dtype-layers", type=layer_list, default=None,
+                        help="decoder layers whose K/V stay in the model's dtype, e.g. 0,7")
     engine.add_argument("--max-num-seqs", type=int, default=256, help="sequences one step runs")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="tokens one step computes (long prompts are prefilled in chunks)")
@@ -69,4 +74,13 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
                   max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                   eviction_policy=args.eviction_policy, preemption=args.preemption,
-                  preemption_policy=args.preemption_policy, speculative=speculative)
+                  preemption_policy=args.preemption_policy, speculative=speculative,
+                  kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_layers=args.kv_cache_dtype_layers)
+
+
+def layer_list(text: str) -> list[int]:
+    """``"0,7"`` -> ``[0, 7]``; ``argparse.ArgumentTypeError`` naming what is not a layer index."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer indices such as 0,7, got {text!r}") from None

@@ -1,28 +1,47 @@
 import pytest
 import torch
 
-from cache import KVCache, KVLayout, OutOfBlocksError, make_keys, parse_bytes
+from cache import KVCache, KVLayout, OutOfBlocksError, kv_format, make_keys, parse_bytes
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 
 
+@pytest.fixture(params=[torch.float32, torch.int8, torch.float8_e4m3fn], ids=["fp32", "int8", "fp8"])
+def layout(request) -> KVLayout:
+    """``LAYOUT`` with its second layer in each storage format (the first in float32: mixed
+    precision per layer), for the tests of what moves blocks: every byte of a compressed
+    block, its rows' scales included, must move with it."""
+    return KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4,
+                    layer_dtypes=(torch.float32, request.param))
+
+
+def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``[2, n, heads, width]`` of any storage dtype as their bytes ``[2, n, heads, bytes]``."""
+    return rows.contiguous().view(torch.uint8)
+
+
 def write(cache: KVCache, slots: list[int], seed: int) -> torch.Tensor:
-    """Write random K/V into flat slots of every layer; returns what was written."""
+    """Write random K/V, encoded in each layer's format, into flat slots of every layer of the
+    target store; returns the bytes written, ``[2, len(slots), heads, bytes of every layer]``."""
+    lay = cache.layout
     g = torch.Generator().manual_seed(seed)
-    data = torch.randn(LAYOUT.num_layers, 2, len(slots), LAYOUT.num_kv_heads, LAYOUT.head_dim,
-                       generator=g)
-    bs = LAYOUT.block_size
-    for layer, values in zip(cache.storage.layers, data):
+    data = torch.randn(lay.num_layers, 2, len(slots), lay.num_kv_heads, lay.head_dim, generator=g)
+    bs = lay.block_size
+    written = []
+    for layer, values in zip(cache.storage.stores[0], data):
+        rows = kv_format.encode(values, layer.dtype)
         for i, s in enumerate(slots):
-            layer[s // bs, :, s % bs] = values[:, i]
-    return data
+            layer[s // bs, :, s % bs] = rows[:, i]
+        written.append(_as_bytes(rows))
+    return torch.cat(written, -1)
 
 
 def read(cache: KVCache, table) -> torch.Tensor:
-    bs = LAYOUT.block_size
+    """The bytes a table's tokens hold, laid out as ``write`` returns them."""
+    bs = cache.layout.block_size
     slots = [table.blocks[t // bs] * bs + t % bs for t in range(table.num_tokens)]
-    return torch.stack([torch.stack([layer[s // bs, :, s % bs] for s in slots], dim=1)
-                        for layer in cache.storage.layers])
+    return torch.cat([_as_bytes(torch.stack([layer[s // bs, :, s % bs] for s in slots], dim=1))
+                      for layer in cache.storage.stores[0]], -1)
 
 
 def filled_table(cache: KVCache, n: int, seed: int):
@@ -45,8 +64,8 @@ def test_sizes_from_a_byte_budget():
         KVCache.from_memory(LAYOUT, "100B")
 
 
-def test_fork_shares_blocks_and_copies_on_first_write():
-    cache = KVCache(LAYOUT, num_blocks=8)
+def test_fork_shares_blocks_and_copies_on_first_write(layout):
+    cache = KVCache(layout, num_blocks=8)
     parent, data = filled_table(cache, 6, seed=0)  # one full and one partial block
     child = cache.fork(parent)
     assert child.blocks == parent.blocks and cache.pool.refcount[parent.blocks[1]] == 2
@@ -55,16 +74,16 @@ def test_fork_shares_blocks_and_copies_on_first_write():
     assert cache.metrics.cow_copies == 1
     write(cache, [slot], seed=1)
     assert torch.equal(read(cache, parent), data)  # the parent's partial block is untouched
-    assert torch.equal(read(cache, child)[:, :, :6], data)
+    assert torch.equal(read(cache, child)[:, :6], data)
     [slot2] = cache.append_slots(parent, 1)  # the parent now owns its block alone: no copy
-    assert slot2 // LAYOUT.block_size == parent.blocks[1] and cache.metrics.cow_copies == 1
+    assert slot2 // layout.block_size == parent.blocks[1] and cache.metrics.cow_copies == 1
     cache.free(parent)
     cache.free(child)
     assert cache.pool.num_free == 8
 
 
-def test_cached_partial_prefix_is_copied_token_exactly():
-    cache = KVCache(LAYOUT, num_blocks=8)
+def test_cached_partial_prefix_is_copied_token_exactly(layout):
+    cache = KVCache(layout, num_blocks=8)
     tokens = list(range(12))
     table, data = filled_table(cache, 12, seed=3)
     cache.cache_prefix(table, make_keys(tokens))
@@ -72,7 +91,7 @@ def test_cached_partial_prefix_is_copied_token_exactly():
     hit = cache.acquire_prefix(make_keys(tokens[:10]))
     assert hit.num_tokens == 10 and len(hit.blocks) == 3
     assert not cache.pool.cached[hit.blocks[2]]  # a private copy of the matching slots
-    assert torch.equal(read(cache, hit), data[:, :, :10])
+    assert torch.equal(read(cache, hit), data[:, :10])
     write(cache, cache.append_slots(hit, 2), seed=4)  # writes go to the private block only
     again = cache.acquire_prefix(make_keys(tokens))
     assert torch.equal(read(cache, again), data)
@@ -89,8 +108,8 @@ def test_append_is_all_or_nothing():
     cache.free(table)
 
 
-def test_swap_round_trip_is_bit_exact():
-    cache = KVCache(LAYOUT, num_blocks=6, num_host_blocks=4)
+def test_swap_round_trip_is_bit_exact(layout):
+    cache = KVCache(layout, num_blocks=6, num_host_blocks=4)
     table, data = filled_table(cache, 10, seed=5)
     swapped = cache.swap_out(table)
     assert cache.pool.num_free == 6 and cache.metrics.swapped_out_blocks == 3
@@ -102,8 +121,8 @@ def test_swap_round_trip_is_bit_exact():
     cache.free(back)
 
 
-def test_swap_keeps_shared_blocks_on_device():
-    cache = KVCache(LAYOUT, num_blocks=6, num_host_blocks=4)
+def test_swap_keeps_shared_blocks_on_device(layout):
+    cache = KVCache(layout, num_blocks=6, num_host_blocks=4)
     table, data = filled_table(cache, 10, seed=7)
     sibling = cache.fork(table)  # shares all three blocks
     cache.append_slots(sibling, 1)  # copy-on-write: the partial last block is now private
@@ -126,8 +145,8 @@ def test_swap_without_host_tier_says_so():
     cache.free(table)
 
 
-def test_compaction_moves_live_blocks_down_and_keeps_data():
-    cache = KVCache(LAYOUT, num_blocks=12)
+def test_compaction_moves_live_blocks_down_and_keeps_data(layout):
+    cache = KVCache(layout, num_blocks=12)
     tables = [filled_table(cache, 8, seed=i) for i in range(5)]  # blocks 0..9
     cached_tokens = list(range(100, 108))
     cache.cache_prefix(tables[4][0], make_keys(cached_tokens))
@@ -149,8 +168,8 @@ def test_compaction_moves_live_blocks_down_and_keeps_data():
     cache.free(hit)
 
 
-def test_resize_keeps_live_data_and_the_cached_prefixes_that_fit():
-    cache = KVCache(LAYOUT, num_blocks=12, num_host_blocks=4)
+def test_resize_keeps_live_data_and_the_cached_prefixes_that_fit(layout):
+    cache = KVCache(layout, num_blocks=12, num_host_blocks=4)
     tables = [filled_table(cache, 8, seed=i) for i in range(5)]  # blocks 0..9
     prefixes = {i: list(range(100 * i, 100 * i + 8)) for i in (1, 3)}
     for i, tokens in prefixes.items():
@@ -177,8 +196,8 @@ def test_resize_keeps_live_data_and_the_cached_prefixes_that_fit():
     cache.check_integrity()
 
 
-def test_resize_below_the_blocks_in_use_changes_nothing():
-    cache = KVCache(LAYOUT, num_blocks=8)
+def test_resize_below_the_blocks_in_use_changes_nothing(layout):
+    cache = KVCache(layout, num_blocks=8)
     table, data = filled_table(cache, 12, seed=1)  # 3 blocks
     with pytest.raises(ValueError, match="3 are in use"):
         cache.resize(2)

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cache import kv_format
 from mmkv import native as native_library
 from mmkv.attention import native
 
@@ -75,7 +76,10 @@ def problems(draw):
                 m=draw(st.integers(1, 6)), lens=draw(st.lists(st.integers(1, 70), min_size=1, max_size=5)),
                 offsets=draw(st.lists(st.integers(0, 40), min_size=5, max_size=5)),
                 window=draw(st.sampled_from([None, None, 7, 20])), prior=draw(st.integers(0, 33)),
-                dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), seed=draw(st.integers(0, 99)))
+                dtype=draw(st.sampled_from(CACHE_DTYPES)), seed=draw(st.integers(0, 99)))
+
+
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn]
 
 
 @settings(max_examples=60, deadline=None)
@@ -83,7 +87,8 @@ def problems(draw):
 def test_paged_decode_matches_dense_attention(p):
     """Sequences of any length (a partial last page, padding in the page table), queries at their
     last positions (causal among themselves), a window, a prior state merged in (what a
-    cascade's shared pages give), both cache dtypes."""
+    cascade's shared pages give), every cache format (compressed pages against their decoded
+    values)."""
     check_against_dense(p)
 
 
@@ -92,7 +97,7 @@ def check_against_dense(p: dict) -> None:
     g = torch.Generator().manual_seed(p["seed"])
     dim, hq, hkv, m, lens = p["dim"], p["hq"], p["hkv"], p["m"], p["lens"]
     d, width = len(lens), max(-(-n // BS) for n in lens)
-    layer = torch.randn(d * width + 3, 2, BS, hkv, dim, generator=g).to(p["dtype"])
+    layer = kv_format.encode(torch.randn(d * width + 3, 2, BS, hkv, dim, generator=g), p["dtype"])
     order = torch.randperm(d * width + 3, generator=g).tolist()  # pages scattered in the pool
     pages = torch.tensor([order[i * width:(i + 1) * width] for i in range(d)])
     key_start = torch.tensor([p["offsets"][i] for i in range(d)])
@@ -115,7 +120,7 @@ def check_against_dense(p: dict) -> None:
     out = native.paged_decode(q, layer, pages, torch.tensor(lens), key_start, positions, scale,
                               p["window"], state)
     for i in range(d):
-        flat = layer[pages[i]].float()  # [width, 2, BS, Hkv, D]
+        flat = kv_format.decode(layer[pages[i]])  # [width, 2, BS, Hkv, D]
         k = flat[:, 0].reshape(-1, hkv, dim)[:lens[i]]
         v = flat[:, 1].reshape(-1, hkv, dim)[:lens[i]]
         want, _ = reference(q[i], k, v, positions[i], key_start[i] + torch.arange(lens[i]), scale,
@@ -133,7 +138,6 @@ def test_the_portable_build_matches(tmp_path, monkeypatch):
         for seed in range(4):
             check_against_dense(dict(
                 dim=(64, 80)[seed % 2], hkv=2, hq=4, m=1 + seed, lens=[5, 40, 17], offsets=[0, 3, 30, 0, 0],
-                window=(None, 9)[seed // 2], prior=3 * seed, dtype=(torch.float32, torch.bfloat16)[seed % 2],
-                seed=seed))
+                window=(None, 9)[seed // 2], prior=3 * seed, dtype=CACHE_DTYPES[seed], seed=seed))
     finally:
         forget_kernels()

@@ -49,14 +49,14 @@ def _open_gates(language_model: torch.nn.Module) -> None:
                 p.fill_(0.6 if name.endswith("mlp_gate") else 0.9)
 
 
-def build_mllama(directory: Path, seed: int = 0) -> Path:
+def build_mllama(directory: Path, seed: int = 0, **text_overrides) -> Path:
     hf_logging.disable_progress_bar()
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1,
                   attention_heads=2, image_size=28, patch_size=14, max_num_tiles=2,
                   intermediate_layers_indices=[0], vision_output_dim=64,
                   supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]], initializer_range=0.15)
     text = dict(TEXT, num_hidden_layers=4, cross_attention_layers=[1, 3], vocab_size=256,
-                pad_token_id=3, bos_token_id=1, eos_token_id=2)
+                pad_token_id=3, bos_token_id=1, eos_token_id=2, **text_overrides)
     config = MllamaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN)
     torch.manual_seed(seed)
     model = MllamaForConditionalGeneration(config)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Collection
+
 import torch
 
 from mmkv.step_context import AttentionBackend
@@ -14,9 +16,11 @@ AUTO = "torch"
 
 
 def choose_backend(choice: str | AttentionBackend, device: torch.device,
-                   models: list[tuple[torch.dtype, int]]) -> AttentionBackend:
+                   models: list[tuple[torch.dtype, int]],
+                   kv_dtypes: Collection[torch.dtype] = ()) -> AttentionBackend:
     """The backend an engine asked for with ``choice`` (an instance is used as given) for models
-    of the given ``(dtype, head_dim)``; ``ValueError`` naming what does not fit."""
+    of the given ``(dtype, head_dim)`` over cache layers of ``kv_dtypes``; ``ValueError`` naming
+    what does not fit."""
     if isinstance(choice, AttentionBackend):
         return choice
     if choice not in CHOICES:
@@ -33,5 +37,5 @@ def choose_backend(choice: str | AttentionBackend, device: torch.device,
     from mmkv.attention.flashinfer_backend import FlashInferBackend, check_supported
 
     for dtype, head_dim in models:
-        check_supported(device, dtype, head_dim)
+        check_supported(device, dtype, head_dim, kv_dtypes)
     return FlashInferBackend(device)

@@ -17,7 +17,10 @@ as it is. Each pattern has a wrapper of its own; all share one float workspace:
   pages, trimmed to the positions any row sees, with a custom mask only where rows differ.
 
 New K/V go in with ``append_paged_kv_cache`` and the post-append page table (positions are the
-metadata's, i.e. post-append length minus new tokens plus offset), cast to the pool's dtype.
+metadata's, i.e. post-append length minus new tokens plus offset), cast to the pool's dtype. An
+fp8 pool (``kv_cache_dtype="fp8_e4m3"``) is FlashInfer's own fp8 KV: the plans say ``kv_data_type``
+float8_e4m3fn and the runs leave ``k_scale`` / ``v_scale`` at 1 (``cache.kv_format``); int8 pools
+are the CPU's alone.
 
 Every FlashInfer call is built as a ``Call`` by the plain functions below, which run anywhere (a
 CPU included) and read no device tensor on the host, so tests bind each call against FlashInfer's
@@ -30,10 +33,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import NamedTuple
+from typing import Collection, NamedTuple
 
 import torch
 
+from cache import kv_format
 from mmkv.attention.metadata import CascadeGroup, CrossBatch, PagedBatch
 from mmkv.step_context import AttentionBackend, StepContext
 
@@ -111,9 +115,13 @@ class AppendIndex(NamedTuple):
     kv_last_page_len: torch.Tensor
 
 
-def unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[str]:
-    """What keeps FlashInfer from serving a model of ``dtype`` and ``head_dim`` on ``device``."""
+def unsupported(device: torch.device, dtype: torch.dtype, head_dim: int,
+                kv_dtypes: Collection[torch.dtype] = ()) -> list[str]:
+    """What keeps FlashInfer from serving a model of ``dtype`` and ``head_dim`` on ``device``
+    with cache layers of ``kv_dtypes`` (default: the model's)."""
     problems = []
+    if torch.int8 in kv_dtypes:
+        problems.append("it reads fp8 KV but not int8 (pass kv_cache_dtype='fp8_e4m3')")
     if torch.device(device).type != "cuda":
         problems.append(f"it runs on CUDA devices only, this engine's device is {device}")
     if dtype not in SUPPORTED_DTYPES:
@@ -125,8 +133,9 @@ def unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> list
     return problems
 
 
-def check_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
-    problems = unsupported(device, dtype, head_dim)
+def check_supported(device: torch.device, dtype: torch.dtype, head_dim: int,
+                    kv_dtypes: Collection[torch.dtype] = ()) -> None:
+    problems = unsupported(device, dtype, head_dim, kv_dtypes)
     if problems:
         raise ValueError("attention_backend='flashinfer' cannot serve this engine: "
                          + "; ".join(problems) + " (attention_backend='torch' runs anywhere)")
@@ -182,7 +191,8 @@ def merge_call(out: torch.Tensor, lse: torch.Tensor, out_other: torch.Tensor,
 def append_call(key: torch.Tensor, value: torch.Tensor, index: AppendIndex,
                 layer: torch.Tensor) -> Call:
     return Call("append_paged_kv_cache",
-                (key.to(layer.dtype), value.to(layer.dtype), index.batch_indices, index.positions,
+                (kv_format.encode(key, layer.dtype), kv_format.encode(value, layer.dtype),
+                 index.batch_indices, index.positions,
                  layer, index.kv_indices, index.kv_indptr, index.kv_last_page_len),
                 {"kv_layout": "NHD"})
 

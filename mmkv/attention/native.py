@@ -12,7 +12,7 @@ It is built with mmkv's other native kernels (``mmkv.native``); without a compil
 
 Guarantees: ``paged_decode`` equals the torch path's attention (dense causal attention over the
 sequence's keys, within the sliding window, merged with the given state) up to float32 rounding,
-for float32 and bfloat16 caches; ``tests/test_native_attention.py`` checks it against dense float64
+for float32, bfloat16, int8 and fp8 caches (a compressed page decoded as the kernel reads it); ``tests/test_native_attention.py`` checks it against dense float64
 attention, and ``tests/test_torch_attention.py`` runs every paged-attention test on both paths.
 """
 
@@ -23,9 +23,11 @@ import functools
 
 import torch
 
+from cache import kv_format
 from mmkv import native as native_library
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtypes the kernel reads
+# cache dtypes the kernel reads (cache.kv_format), by the code it knows them by
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
 
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
@@ -57,6 +59,9 @@ def paged_decode(q: torch.Tensor, layer: torch.Tensor, pages: torch.Tensor, lens
     ``IndexError``/``ValueError`` and the kernel is not called."""
     d, m, hq, dim = q.shape
     _, _, block_size, hkv, _ = layer.shape
+    if kv_format.head_dim_of(layer) != dim:
+        raise ValueError(f"queries of head size {dim} cannot attend a cache layer of head size "
+                         f"{kv_format.head_dim_of(layer)}")
     q = q.contiguous()
     out = torch.empty_like(q)
     pages, lens, key_start, positions = (t.contiguous() for t in (pages, lens, key_start, positions))
@@ -80,7 +85,7 @@ def _check(q: torch.Tensor, layer: torch.Tensor, pages: torch.Tensor, lens: torc
     inside their pages (``native_library.check_pages``), and every other array of the shape the
     kernel reads (``ValueError`` naming the array and the shape needed)."""
     d, m, hq, dim = q.shape
-    _, _, _, hkv, layer_dim = layer.shape
+    hkv, layer_dim = layer.shape[3], kv_format.head_dim_of(layer)
     if layer_dim != dim or hq % hkv:
         raise ValueError(f"queries [{d}, {m}, {hq}, {dim}] do not fit a cache layer of {hkv} KV "
                          f"heads of size {layer_dim}: head sizes must match and {hq} query heads "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cache import kv_format
 from mmkv.attention import native
 from mmkv.attention.metadata import CascadeGroup, CrossBatch, DecodePlan, PagedBatch
 from mmkv.step_context import AttentionBackend, StepContext
@@ -29,19 +30,30 @@ SPLIT_QUERIES = 256  # from this many queries on, attending past keys and the di
 
 
 def write_kv(layer: torch.Tensor, batch: PagedBatch, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Store the step's new K/V ``[T, kv_heads, head_dim]`` into their pages: one copy into the
-    layer's rows (``write_slots``), not an advanced-index write for K and another for V."""
+    """Store the step's new K/V ``[T, kv_heads, head_dim]`` into their pages, encoded in the layer's
+    format (``cache.kv_format``) in the same pass: one copy into the layer's rows
+    (``write_slots``), not an advanced-index write for K and another for V."""
     rows = layer.view(-1, *layer.shape[3:])
-    rows.index_copy_(0, batch.write_slots, torch.cat((key, value)).to(layer.dtype))
+    store_rows(rows, batch.write_slots, kv_format.encode(torch.cat((key, value)), layer.dtype))
+
+
+def store_rows(rows: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``rows[index] = values`` along dim 0 (fp8 as bytes: torch's CPU copy has no fp8 kernel)."""
+    if rows.dtype == torch.float8_e4m3fn:
+        rows, values = rows.view(torch.uint8), values.view(torch.uint8)
+    rows.index_copy_(0, index, values)
 
 
 def gather_kv(layer: torch.Tensor, pages: torch.Tensor, length: int,
               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[length, kv_heads, head_dim]`` of a page list (``index_select`` copies whole
-    pages, cheaper than advanced indexing's per-element gather), in ``dtype`` if given."""
-    _, _, _, h, d = layer.shape
-    k = layer[:, 0].index_select(0, pages).view(-1, h, d)[:length]
-    v = layer[:, 1].index_select(0, pages).view(-1, h, d)[:length]
+    pages, cheaper than advanced indexing's per-element gather), in ``dtype`` if given; a
+    compressed layer's are decoded (to ``dtype``, float32 by default), and only these ``length``
+    tokens' rows."""
+    k = layer[:, 0].index_select(0, pages).flatten(0, 1)[:length]
+    v = layer[:, 1].index_select(0, pages).flatten(0, 1)[:length]
+    if layer.dtype in kv_format.QUANTIZED.values():
+        return kv_format.decode(k, dtype or torch.float32), kv_format.decode(v, dtype or torch.float32)
     return (k, v) if dtype in (None, layer.dtype) else (k.to(dtype), v.to(dtype))
 
 
@@ -236,7 +248,7 @@ def cross_attention(query: torch.Tensor, layer: torch.Tensor, cross: CrossBatch,
         o = o if batch.slots is None else o.index_select(0, batch.slots)
         return out.index_copy_(0, batch.rows, o.to(query.dtype))
     for group in cross.groups:
-        k, v = gather_kv(layer, group.pages, group.kv_len)
+        k, v = gather_kv(layer, group.pages, group.kv_len, query.dtype)
         q = query[group.rows].transpose(0, 1)[None]  # [1, H, n, D]
         o = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                            attn_mask=group.allowed[None, None], scale=scale,
@@ -269,5 +281,5 @@ class TorchBackend(AttentionBackend):
         pos = torch.arange(start, start + key.shape[0])
         blocks = torch.tensor(pages, dtype=torch.long)[pos // bs].to(layer.device)
         offsets = (pos % bs).to(layer.device)
-        layer[blocks, 0, offsets] = key.to(layer.dtype)
-        layer[blocks, 1, offsets] = value.to(layer.dtype)
+        layer[blocks, 0, offsets] = kv_format.encode(key, layer.dtype)
+        layer[blocks, 1, offsets] = kv_format.encode(value, layer.dtype)

@@ -16,12 +16,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from transformers import AttentionInterface, AutoConfig, PretrainedConfig
 
 from cache import KVLayout
+from cache.kv_format import check_head_dim, storage_dtype
 from mmkv.models.fused_layer import FusedDecoderLayer, norm_function, rotation_signs
 from mmkv.models.packed_linear import PackedLinear, make_linear, release
 from mmkv.models.mrope import MRopePositions
@@ -167,9 +168,23 @@ class ModelAdapter:
         c = self.text_config
         return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
-    def kv_layout(self, block_size: int) -> KVLayout:
+    def kv_layout(self, block_size: int, kv_cache_dtype: str = "auto",
+                  full_precision_layers: Sequence[int] = ()) -> KVLayout:
+        """The cache layout of this model: every storage slot in ``kv_cache_dtype``'s format
+        (``cache.kv_format``) but those of the decoder layers ``full_precision_layers``, which
+        stay in the model's dtype (a slot several layers use is kept if any of them is listed).
+        ``ValueError`` names a layer the model does not have or a format it cannot store."""
+        stored = storage_dtype(kv_cache_dtype, self.dtype)
+        check_head_dim(stored, self.head_dim)
+        outside = [i for i in full_precision_layers if not 0 <= i < self.num_layers]
+        if outside:
+            raise ValueError(f"kv_cache_dtype_layers names layer {outside[0]}; the model has layers "
+                             f"0 to {self.num_layers - 1}")
+        kept = {self.layer_slots[i] for i in full_precision_layers}
+        dtypes = tuple(self.dtype if s in kept else stored for s in range(self.num_slots))
         return KVLayout(num_layers=self.num_slots, num_kv_heads=self.text_config.num_key_value_heads,
-                        head_dim=self.head_dim, block_size=block_size, dtype=self.dtype)
+                        head_dim=self.head_dim, block_size=block_size, dtype=self.dtype,
+                        layer_dtypes=dtypes)
 
     # -- rebuild costs: what evicting or dropping cached K/V costs to compute again -------------
     def text_rebuild_flops(self, start: int, count: int) -> float:

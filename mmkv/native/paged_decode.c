@@ -1,8 +1,11 @@
 /* Batched decode attention that reads the paged KV cache in place (see mmkv/attention/native.py;
  * built by mmkv/native).
  *
- * Cache layout (one layer): [num_blocks][2][block_size][kv_heads][head_dim], K then V in a page,
- * float32 or bfloat16. For each sequence s and KV head h, the m * G query rows (m queries, G query
+ * Cache layout (one layer): [num_blocks][2][block_size][kv_heads][row], K then V in a page, a row
+ * being head_dim values of the cache's format (mmkv/cache/kv_format.py): float32, bfloat16, int8
+ * codes followed by their bfloat16 scale, or fp8 e4m3. A page of any format but float32 is decoded
+ * into float32 scratch as it is attended (the rows this call reads, one page at a time), so no
+ * decoded copy of the cache is ever made. For each sequence s and KV head h, the m * G query rows (m queries, G query
  * heads per KV head) attend the sequence's keys in `pages[s]` (`lens[s]` tokens, the first at
  * absolute position `key_start[s]`): a key at position p is visible to a query at position q when
  * p <= q (and p > q - window with a window). The softmax runs online, page by page (running max,
@@ -155,11 +158,57 @@ static inline void scale_row(float *restrict y, float a, int n) {
     for (int i = 0; i < n; i++) y[i] *= a;
 }
 
+enum { FORMAT_F32 = 0, FORMAT_BF16 = 1, FORMAT_INT8 = 2, FORMAT_FP8 = 3 };
+
 /* Widen `count` bfloat16 values to float32. */
 static void widen_bf16(float *restrict dst, const uint16_t *restrict src, int64_t count) {
     uint32_t *out = (uint32_t *)dst;
 #pragma omp simd
     for (int64_t i = 0; i < count; i++) out[i] = (uint32_t)src[i] << 16;
+}
+
+/* Decode `rows` int8 rows (dim codes, then the row's bfloat16 scale) to float32. */
+static void widen_int8(float *restrict dst, const int8_t *restrict src, int64_t rows, int dim) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int8_t *row = src + r * (dim + 2);
+        uint16_t bits;
+        memcpy(&bits, row + dim, sizeof bits);
+        const uint32_t wide = (uint32_t)bits << 16;
+        float scale;
+        memcpy(&scale, &wide, sizeof scale);
+        float *out = dst + r * dim;
+#pragma omp simd
+        for (int i = 0; i < dim; i++) out[i] = (float)row[i] * scale;
+    }
+}
+
+/* Decode `count` fp8 e4m3 bytes through the 256-entry table of their values. */
+static void widen_fp8(float *restrict dst, const uint8_t *restrict src, int64_t count,
+                      const float *restrict table) {
+#pragma omp simd
+    for (int64_t i = 0; i < count; i++) dst[i] = table[src[i]];
+}
+
+/* Every e4m3fn byte's value: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+ * subnormal, and all ones in both fields is NaN (no infinities). */
+static void fp8_table(float *table) {
+    for (int b = 0; b < 256; b++) {
+        const int exponent = (b >> 3) & 15, mantissa = b & 7;
+        float value = exponent == 0 ? ldexpf((float)mantissa / 8.0f, -6)
+                                    : ldexpf(1.0f + (float)mantissa / 8.0f, exponent - 7);
+        if (exponent == 15 && mantissa == 7) value = NAN;
+        table[b] = b & 128 ? -value : value;
+    }
+}
+
+/* Bytes of one row of `dim` values in `format`. */
+static inline int64_t row_bytes(int format, int dim) {
+    switch (format) {
+        case FORMAT_F32: return 4 * (int64_t)dim;
+        case FORMAT_BF16: return 2 * (int64_t)dim;
+        case FORMAT_INT8: return (int64_t)dim + 2;
+        default: return dim;
+    }
 }
 
 static void prefetch(const char *start, int64_t bytes) {
@@ -169,7 +218,8 @@ static void prefetch(const char *start, int64_t bytes) {
 typedef struct {
     const float *q;            /* [d][m][q_heads][dim] */
     const char *cache;         /* the layer */
-    int bf16;
+    int format;                /* FORMAT_* */
+    const float *fp8_values;   /* FORMAT_FP8: every byte's value */
     const int64_t *pages;      /* [d][max_pages] */
     int64_t max_pages;
     const int64_t *lens, *key_start, *positions;
@@ -187,12 +237,11 @@ static inline __attribute__((always_inline)) void attend(
     const Problem *p, int64_t s, int h0, int h1, const int64_t *next_page, float *work, int dim) {
     const int m = p->m, group = p->group, bs = p->block_size;
     const int heads = h1 - h0, rows_per_head = m * group, rows = heads * rows_per_head;
-    const int elem = p->bf16 ? 2 : 4;
     float *acc = work;                                  /* [rows][dim] */
     float *mx = acc + (int64_t)rows * dim;              /* [rows] */
     float *sum = mx + rows;                             /* [rows] */
     float *score = sum + rows;                          /* [block_size] */
-    float *widened = score + bs;                        /* [2][block_size][heads][dim], bfloat16 */
+    float *widened = score + bs;                        /* [2][block_size][kv_heads][dim], decoded */
     const int64_t state0 = (s * p->kv_heads + h0) * rows_per_head;
     for (int r = 0; r < rows; r++) {
         const float lse = p->init_lse ? p->init_lse[state0 + r] : -INFINITY;
@@ -204,29 +253,34 @@ static inline __attribute__((always_inline)) void attend(
             mx[r] = -INFINITY, sum[r] = 0.0f;
         }
     }
-    const int64_t token = (int64_t)p->kv_heads * dim;  /* elements from one token to the next */
-    const int64_t page_elems = 2 * (int64_t)bs * token;
+    const int64_t token = (int64_t)p->kv_heads * dim;  /* values from one token to the next */
+    const int64_t token_bytes = (int64_t)p->kv_heads * row_bytes(p->format, dim);
+    const int64_t page_bytes = 2 * (int64_t)bs * token_bytes;
     const int64_t len = p->lens[s], num_pages = (len + bs - 1) / bs;
     const int64_t *pages = p->pages + s * p->max_pages;
     const int64_t *positions = p->positions + s * m;
     const float *q = p->q + s * m * p->q_heads * dim;
-    if (next_page) prefetch(p->cache + *next_page * page_elems * elem, page_elems * elem);
+    if (next_page) prefetch(p->cache + *next_page * page_bytes, page_bytes);
     for (int64_t pg = 0; pg < num_pages; pg++) {
         const int count = (int)(len - pg * bs < bs ? len - pg * bs : bs);
-        const char *page = p->cache + pages[pg] * page_elems * elem;
-        if (pg + 1 < num_pages) {
-            const char *next = p->cache + pages[pg + 1] * page_elems * elem;
-            prefetch(next, page_elems * elem);
-        }
+        const char *page = p->cache + pages[pg] * page_bytes;
+        if (pg + 1 < num_pages) prefetch(p->cache + pages[pg + 1] * page_bytes, page_bytes);
         const float *k, *v;
-        int64_t stride;  /* floats from one token's row to the next */
-        if (p->bf16) {
-            const uint16_t *base = (const uint16_t *)page;
-            widen_bf16(widened, base, (int64_t)count * token);
-            widen_bf16(widened + (int64_t)bs * token, base + (int64_t)bs * token, (int64_t)count * token);
-            k = widened, v = widened + (int64_t)bs * token, stride = token;
+        const int64_t stride = token;  /* floats from one token's row to the next */
+        if (p->format == FORMAT_F32) {
+            k = (const float *)page, v = (const float *)page + (int64_t)bs * token;
         } else {
-            k = (const float *)page, v = (const float *)page + (int64_t)bs * token, stride = token;
+            for (int half = 0; half < 2; half++) {  /* K, then V */
+                const char *src = page + half * (int64_t)bs * token_bytes;
+                float *dst = widened + half * (int64_t)bs * token;
+                if (p->format == FORMAT_BF16)
+                    widen_bf16(dst, (const uint16_t *)src, (int64_t)count * token);
+                else if (p->format == FORMAT_INT8)
+                    widen_int8(dst, (const int8_t *)src, (int64_t)count * p->kv_heads, dim);
+                else
+                    widen_fp8(dst, (const uint8_t *)src, (int64_t)count * token, p->fp8_values);
+            }
+            k = widened, v = widened + (int64_t)bs * token;
         }
         const int64_t first = p->key_start[s] + pg * bs;
         for (int r = 0; r < rows; r++) {
@@ -274,12 +328,14 @@ static inline __attribute__((always_inline)) void attend(
  * positions: [d][m]; init_out: [d][kv_heads][m * G][dim] and init_lse: [d][kv_heads][m * G]
  * (both NULL when no rows start from a state; lse -inf for rows that do not). Returns 0, or -1
  * when scratch memory could not be had. */
-int mmkv_paged_decode(const float *q, const void *cache, int bf16, const int64_t *pages,
+int mmkv_paged_decode(const float *q, const void *cache, int format, const int64_t *pages,
                       int64_t max_pages, const int64_t *lens, const int64_t *key_start,
                       const int64_t *positions, int d, int m, int block_size, int q_heads,
                       int kv_heads, int dim, float scale, int64_t window, const float *init_out,
                       const float *init_lse, float *out) {
-    const Problem p = {q, (const char *)cache, bf16, pages, max_pages, lens, key_start, positions,
+    float fp8_values[256];
+    if (format == FORMAT_FP8) fp8_table(fp8_values);
+    const Problem p = {q, (const char *)cache, format, fp8_values, pages, max_pages, lens, key_start, positions,
                        m, q_heads / kv_heads, block_size, q_heads, kv_heads, dim, scale, window,
                        init_out, init_lse, out};
     const int threads = omp_get_max_threads();
