@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from cache import kv_format
 from cache.block_pool import BlockPool, OutOfBlocksError
 from cache.kv_storage import KVLayout, KVStorage, parse_bytes
 from cache.metrics import CacheMetrics
@@ -328,3 +329,18 @@ class KVCache:
             "draft_slots out of range"
         if self.host_pool is not None:
             self.host_pool.check_integrity()
+        self._check_scales()
+
+    def _check_scales(self) -> None:
+        """Every int8 row of a block in use or cached carries a finite scale of at least 0
+        (``cache.kv_format``): codes written over a scale, or a block moved without its last
+        bytes, break it."""
+        held = [b for b, count in enumerate(self.pool.refcount) if count or self.pool.cached[b]]
+        if not held:
+            return
+        index = torch.tensor(held, device=self.storage.device)
+        for i, layer in enumerate(self.storage.layers):
+            if layer.dtype == torch.int8:
+                scales = kv_format.scales(layer.index_select(0, index))
+                assert bool(torch.isfinite(scales).all() and (scales >= 0).all()), \
+                    f"cache layer {i} holds an int8 row whose scale is negative or not finite"

@@ -64,7 +64,7 @@ def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (``[..., row_width]``)."""
     if dtype == torch.int8:
         wide = x.float()
-        scale = _round_up(wide.abs().amax(-1, keepdim=True) / INT8_MAX)
+        scale = _scale_of(wide.abs().amax(-1, keepdim=True))
         step = scale.float()
         codes = torch.where(step > 0, wide / torch.where(step > 0, step, 1.0), 0.0)
         codes = codes.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
@@ -87,10 +87,12 @@ def scales(rows: torch.Tensor) -> torch.Tensor:
     return rows[..., -SCALE_BYTES:].contiguous().view(SCALE_DTYPE)[..., 0].float()
 
 
-def _round_up(scale: torch.Tensor) -> torch.Tensor:
-    """``scale`` (float32, at least 0) as the smallest bfloat16 not below it, so no code of the
-    row's largest value rounds past 127."""
-    rounded = scale.to(SCALE_DTYPE)
-    low = rounded.float() < scale
+def _scale_of(largest: torch.Tensor) -> torch.Tensor:
+    """The scale of rows whose largest magnitude is ``largest``: the least bfloat16 at or above
+    ``largest / 127`` (worked in float64, where a bfloat16 times 127 is exact), so no code of the
+    row's largest value rounds past 127, and positive for any nonzero row however small."""
+    exact = largest.double()
+    rounded = (exact / INT8_MAX).to(SCALE_DTYPE)
+    low = rounded.double() * INT8_MAX < exact
     bits = rounded.view(torch.int16)
-    return torch.where(low, bits + 1, bits).view(SCALE_DTYPE)  # the next bfloat16 up (scale > 0)
+    return torch.where(low, bits + 1, bits).view(SCALE_DTYPE)  # the next bfloat16 up (all >= 0)

@@ -5,8 +5,10 @@
 Questions come from ``mmkv.synthetic`` with seeds the training script never uses. Every answer is
 produced with prefix caching (and image sharing) on, with it off, and (for a model with an early
 exit) with early-exit speculative decoding, and must be identical each time.
-``--dtype bfloat16`` answers in bfloat16 and also reports float32's accuracy and how many answers
-the two share. The last line of ``--json`` output is one JSON object.
+``--dtype bfloat16`` answers in bfloat16 and ``--kv-cache-dtype int8|fp8_e4m3`` over a compressed
+KV cache; either also reports the reference's accuracy (float32, uncompressed: ``reference_*``) and
+how many answers the two share (``answers_equal_reference``). The last line of ``--json`` output is
+one JSON object.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ def questions(scenes: int, documents: int, seed: int = EVAL_SEED) -> list[tuple[
 
 
 def answer_all(model: Path, prompts: list, caching: bool, speculative: SpeculativeConfig | None = None,
-               dtype: str = "float32") -> tuple[list[str], float, dict]:
+               dtype: str = "float32", kv_cache_dtype: str = "auto") -> tuple[list[str], float, dict]:
     engine = Engine(model, kv_cache_memory="512MiB", host_kv_memory="64MiB", dtype=dtype,
-                    enable_prefix_caching=caching, speculative=speculative)
+                    enable_prefix_caching=caching, speculative=speculative, kv_cache_dtype=kv_cache_dtype)
     start = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_ANSWER_TOKENS))
     return [o.text.strip() for o in outs], time.perf_counter() - start, engine.stats()
@@ -58,27 +60,29 @@ def accuracy(answers: list[str], items: list) -> dict[str, float]:
 
 
 def evaluate(model: Path, scenes: int, documents: int, seed: int = EVAL_SEED,
-             dtype: str = "float32") -> dict:
+             dtype: str = "float32", kv_cache_dtype: str = "auto") -> dict:
     items = questions(scenes, documents, seed)
     prompts = [p for p, *_ in items]
-    cached, cached_s, stats = answer_all(model, prompts, caching=True, dtype=dtype)
-    plain, plain_s, _ = answer_all(model, prompts, caching=False, dtype=dtype)
+    options = {"dtype": dtype, "kv_cache_dtype": kv_cache_dtype}
+    cached, cached_s, stats = answer_all(model, prompts, caching=True, **options)
+    plain, plain_s, _ = answer_all(model, prompts, caching=False, **options)
     speculated = None
     if read_config_json(model).get("early_exit_layer") is not None:
-        speculated, _, _ = answer_all(model, prompts, caching=True, dtype=dtype,
+        speculated, _, _ = answer_all(model, prompts, caching=True, **options,
                                       speculative=SpeculativeConfig(**BUNDLED_SPECULATION))
     acc = accuracy(cached, items)
-    versus_float32 = {}
-    if dtype != "float32":
+    versus_reference = {}
+    if dtype != "float32" or kv_cache_dtype != "auto":
         reference, reference_s, _ = answer_all(model, prompts, caching=True)
         ref_acc = accuracy(reference, items)
-        versus_float32 = {"float32_scene_accuracy": ref_acc.get("scene", 0.0),
-                          "float32_document_accuracy": ref_acc.get("document", 0.0),
-                          "answers_equal_float32": round(
-                              sum(a == b for a, b in zip(cached, reference)) / len(items), 4),
-                          "float32_seconds_with_caching": round(reference_s, 2)}
+        versus_reference = {"reference_scene_accuracy": ref_acc.get("scene", 0.0),
+                            "reference_document_accuracy": ref_acc.get("document", 0.0),
+                            "answers_equal_reference": round(
+                                sum(a == b for a, b in zip(cached, reference)) / len(items), 4),
+                            "reference_seconds_with_caching": round(reference_s, 2)}
     return {
         "dtype": dtype,
+        "kv_cache_dtype": kv_cache_dtype,
         "scene_accuracy": acc.get("scene", 0.0),
         "document_accuracy": acc.get("document", 0.0),
         "scene_questions": scenes,
@@ -89,7 +93,7 @@ def evaluate(model: Path, scenes: int, documents: int, seed: int = EVAL_SEED,
         "seconds_without_caching": round(plain_s, 2),
         "encoder_calls": stats.get("encoder_calls", 0),
         "by_kind": {k: v for k, v in acc.items() if "/" in k},
-        **versus_float32,
+        **versus_reference,
     }
 
 
@@ -100,9 +104,10 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=200)
     parser.add_argument("--seed", type=int, default=EVAL_SEED)
     parser.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16 (fast)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), int8 or fp8_e4m3")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = evaluate(args.model, args.scenes, args.documents, args.seed, args.dtype)
+    result = evaluate(args.model, args.scenes, args.documents, args.seed, args.dtype, args.kv_cache_dtype)
     if args.json:
         print(json.dumps(result))
     else:

@@ -340,3 +340,19 @@ def test_preemption_bench_runs_both_policies_on_one_workload():
         assert result[f"preemptions_swap_{policy}"] + result[f"preemptions_recompute_{policy}"] > 0
         assert result[f"max_preemptions_per_request_{policy}"] >= 1
     assert result["recomputed_tokens_cost_vs_newest"] >= 0 and result["seconds_cost_vs_newest"] > 0
+
+
+def test_kv_dtype_bench_holds_more_documents_in_compressed_pools():
+    """Six documents in a pool that holds three and a half in bfloat16 and all six in int8: the
+    compressed variants serve the revisits from the cache, the fields the docs quote are there,
+    and decode attention is timed for every format."""
+    result = bench("kv-dtype", "--documents", "6", "--document-tokens", "96", "--rounds", "2",
+                   "--batch", "1", "--answer", "2", "--repeats", "1", "--kv-cache-memory", str(1003520),
+                   "--long-sequences", "2", "--long-context", "200", "--long-steps", "2")
+    # head size 32: 32 codes and a 2-byte scale against 32 bfloat16 values, per row
+    assert result["bytes_per_token_bf16"] / result["bytes_per_token_bf16_int8"] == 64 / 34
+    assert result["hit_rate_bf16_int8"] > result["hit_rate_bf16"]
+    assert result["cached_prompt_tokens_int8_vs_bf16"] > 1
+    for field in ("seconds_int8_vs_bf16", "greedy_agreement_int8", "greedy_agreement_fp8",
+                  "decode_attention_int8_vs_bf16", "decode_attention_fp8_vs_bf16"):
+        assert result[field] > 0, field

@@ -48,13 +48,17 @@ def test_bundled_model_reaches_its_accuracy_identically_with_caching_and_specula
     assert result["document_accuracy"] >= 0.9, result
 
 
-def test_bundled_model_answers_the_same_in_bfloat16():
-    """The fast mode on the trained model: held-out answers (30 scene and 30 document questions)
-    agree with float32's and the accuracy stays within one question of it."""
-    result = evaluate(BUNDLED_MODEL, scenes=30, documents=30, seed=321, dtype="bfloat16")
-    assert result["answers_equal_float32"] >= 0.95, result
+@pytest.mark.parametrize("options", [{"dtype": "bfloat16"}, {"kv_cache_dtype": "int8"},
+                                     {"kv_cache_dtype": "fp8_e4m3"}], ids=["bf16", "int8-kv", "fp8-kv"])
+def test_bundled_model_answers_the_same_in_bfloat16_and_over_compressed_kv(options):
+    """The fast mode and compressed KV caches on the trained model: held-out answers (30 scene and
+    30 document questions) agree with float32's over an uncompressed cache, and the accuracy
+    stays within one question of it."""
+    result = evaluate(BUNDLED_MODEL, scenes=30, documents=30, seed=321, **options)
+    assert result["answers_equal_reference"] >= 0.95, result
+    assert result["identical_with_and_without_caching"], result
     for task in ("scene", "document"):
-        assert result[f"{task}_accuracy"] >= result[f"float32_{task}_accuracy"] - 1 / 30, result
+        assert result[f"{task}_accuracy"] >= result[f"reference_{task}_accuracy"] - 1 / 30, result
 
 
 def test_training_script_smoke(tmp_path, example):

@@ -200,3 +200,50 @@ def test_next_token_distribution_after_a_long_context_stays_close(tmp_path, fami
     kl = _kl(logits["auto"], logits[kv_cache_dtype])
     mean_bound, max_bound = KL_BOUNDS[kv_cache_dtype]
     assert kl.mean() <= mean_bound and kl.max() <= max_bound, (kl.mean().item(), kl.max().item())
+
+
+def test_the_serve_flags_build_a_compressed_engine(capsys):
+    """``--kv-cache-dtype int8 --kv-cache-dtype-layers 0,7`` (``mmkv serve``, Ray replicas): the
+    bundled model's slots compressed but those of layers 0 and 7, the metrics' pool figures the
+    engine's; a layer list that is not one is refused by the parser, naming it."""
+    import argparse
+
+    from mmkv.engine_args import add_engine_arguments, engine_from_args
+    from mmkv.server.metrics import ServerMetrics
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--kv-cache-memory", "8MiB", "--kv-cache-dtype", "int8",
+                              "--kv-cache-dtype-layers", "0,7"])
+    engine = engine_from_args(args)
+    kept = {engine.model.layer_slots[0], engine.model.layer_slots[7]}
+    assert [layer.dtype for layer in engine.kv.storage.layers] == [
+        engine.model.dtype if slot in kept else torch.int8 for slot in range(engine.model.num_slots)]
+    stats = engine.stats()
+    text = ServerMetrics().render({"engine": stats}).decode()
+    assert f"mmkv_kv_pool_tokens {float(stats['kv_pool_tokens'])}" in text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype-layers", "first,last"])
+    assert "expected layer indices such as 0,7, got 'first,last'" in capsys.readouterr().err
+
+
+def test_integrity_checks_the_scales_of_held_blocks():
+    """``check_integrity`` reads every int8 row's scale of a block in use: codes written over a
+    scale (here: a negative one) are caught, naming the layer; a free block is not read."""
+    from cache import BlockTable, KVCache, KVLayout
+
+    cache = KVCache(KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=2,
+                             layer_dtypes=(torch.float32, torch.int8)), num_blocks=4)
+    table = BlockTable()
+    cache.append_slots(table, 3)
+    layer = cache.storage.layers[1]
+    layer[table.blocks[0], 0, 0] = kv_format.encode(torch.tensor([[1.0, -2.0, 0.5, 3.0]]), torch.int8)
+    cache.check_integrity()
+    free = next(b for b in range(4) if b not in table.blocks)
+    layer[free, ..., -2:] = -1  # garbage in a free block is nobody's
+    cache.check_integrity()
+    layer[table.blocks[1], 1, 0, 0, -2:] = torch.tensor([-1.0], dtype=torch.bfloat16).view(torch.int8)
+    with pytest.raises(AssertionError, match="cache layer 1 holds an int8 row whose scale is negative"):
+        cache.check_integrity()
+    layer[table.blocks[1], 1, 0, 0, -2:] = 0
+    cache.free(table)

@@ -20,7 +20,7 @@
  */
 #include <math.h>
 #include <omp.h>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <stdint.h>
@@ -177,16 +177,56 @@ static void widen_int8(float *restrict dst, const int8_t *restrict src, int64_t 
         float scale;
         memcpy(&scale, &wide, sizeof scale);
         float *out = dst + r * dim;
-#pragma omp simd
-        for (int i = 0; i < dim; i++) out[i] = (float)row[i] * scale;
+        int i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= dim; i += 16) {
+            const __m512i codes = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i)));
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(scale)));
+        }
+#elif defined(__AVX2__)
+        for (; i + 8 <= dim; i += 8) {
+            const __m256i codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i)));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(scale)));
+        }
+#endif
+        for (; i < dim; i++) out[i] = (float)row[i] * scale;
     }
 }
 
-/* Decode `count` fp8 e4m3 bytes through the 256-entry table of their values. */
+/* Decode `count` fp8 e4m3 bytes. A normal magnitude's float32 bits are its exponent and mantissa
+ * moved up 20 bits with the exponent rebased (+120); a subnormal (exponent 0) is its mantissa
+ * times 2^-9. The vector paths build those bits; the rest reads the table of every byte's value.
+ * (0x7f and 0xff, e4m3fn's NaNs, decode as +-480 on the vector paths: the cache never stores
+ * them, as writing saturates at +-448.) */
 static void widen_fp8(float *restrict dst, const uint8_t *restrict src, int64_t count,
                       const float *restrict table) {
-#pragma omp simd
-    for (int64_t i = 0; i < count; i++) dst[i] = table[src[i]];
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512i low7 = _mm512_set1_epi32(0x7f), rebase = _mm512_set1_epi32(120 << 23);
+    for (; i + 16 <= count; i += 16) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        const __m512i magnitude = _mm512_and_si512(b, low7);
+        const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), rebase));
+        const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(0x1p-9f));
+        const __mmask16 small = _mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(8));
+        const __m512i value = _mm512_castps_si512(_mm512_mask_blend_ps(small, normal, subnormal));
+        const __m512i sign = _mm512_slli_epi32(_mm512_andnot_si512(low7, b), 24);
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_or_si512(value, sign)));
+    }
+#elif defined(__AVX2__)
+    const __m256i low7 = _mm256_set1_epi32(0x7f), rebase = _mm256_set1_epi32(120 << 23);
+    for (; i + 8 <= count; i += 8) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)));
+        const __m256i magnitude = _mm256_and_si256(b, low7);
+        const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), rebase));
+        const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(0x1p-9f));
+        const __m256 small = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), magnitude));
+        const __m256i value = _mm256_castps_si256(_mm256_blendv_ps(normal, subnormal, small));
+        const __m256i sign = _mm256_slli_epi32(_mm256_andnot_si256(low7, b), 24);
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_or_si256(value, sign)));
+    }
+#endif
+    for (; i < count; i++) dst[i] = table[src[i]];
 }
 
 /* Every e4m3fn byte's value: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is

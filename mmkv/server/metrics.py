@@ -21,6 +21,10 @@ GAUGES = {  # metric: (help, how to read it from engine stats)
     "mmkv_requests_waiting": ("Requests queued or preempted, not running", "requests_waiting"),
     "mmkv_kv_blocks_in_use": ("KV blocks referenced by requests", "blocks_in_use"),
     "mmkv_kv_blocks_total": ("KV blocks in the device pool", "blocks_total"),
+    "mmkv_kv_pool_tokens": ("Tokens the device KV pool holds (more with a compressed --kv-cache-dtype)",
+                            "kv_pool_tokens"),
+    "mmkv_kv_pool_bytes": ("Bytes of the device KV pool, compressed blocks' scales included",
+                           "kv_pool_bytes"),
 }
 COUNTERS = {  # metric (without _total): (help, stats keys summed)
     "mmkv_prompt_tokens": ("Prompt tokens submitted", ("prompt_tokens",)),

@@ -1,0 +1,157 @@
+"""Compressed KV caches side by side: what a pool of fixed bytes holds and serves, and what
+decode attention costs over long contexts, per KV format.
+
+1. **Capacity under pressure.** The bundled model serves ``--documents`` documents of
+   ``--document-tokens`` tokens (ordinary tokens of its vocabulary), each asked a question of a few
+   tokens in each of ``--rounds`` rounds (every document revisited),
+   from a pool of ``--kv-cache-memory`` bytes, in batches of ``--batch`` requests, greedy, ``--answer``
+   tokens each; each round visits the documents in a shuffled order (seeded), as a server's
+   clients come back in no fixed order (in one fixed order, a pool too small for all of them
+   would lose every one to LRU before its turn came again). Variants: float32 and bfloat16 models with their own KV (``fp32``, ``bf16``) and
+   with int8 and fp8 KV (``fp32_int8``, ``fp32_fp8``, ``bf16_int8``, ``bf16_fp8``). Per variant:
+   the pool's tokens and bytes per token (scales included), prompt tokens served from the cache (``cached_prompt_tokens``) and their
+   share (``hit_rate``), prompt tokens computed again after the first round
+   (``recomputed_prompt_tokens``), evictions, seconds (the fastest of
+   ``--repeats``), and the share of answers equal to the same model's over its uncompressed cache
+   (``greedy_agreement``). ``cached_prompt_tokens_int8_vs_bf16`` and ``seconds_int8_vs_bf16``
+   compare ``bf16_int8`` with ``bf16``: the same model arithmetic, only the cache's format differs.
+2. **Long-context decode attention.** ``--long-sequences`` sequences of ``--long-context`` tokens,
+   the layer shape of the benchmarks' random Llama (8 query heads, 4 KV heads of 64), one decode
+   query each: seconds of the native decode kernel per layer call, the fastest of
+   ``--long-steps`` calls, per cache format (``decode_attention_seconds_<format>``), and
+   ``decode_attention_int8_vs_bf16``. Decode attention there reads every cached byte once a
+   step, so it goes with the bytes a format stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+
+import torch
+
+from cache import kv_format
+from mmkv import Engine, SamplingParams
+from mmkv.attention import native
+from mmkv.bench import gc_paused
+from mmkv.bundled import BUNDLED_MODEL
+
+VARIANTS = {"fp32": ("float32", "auto"), "fp32_int8": ("float32", "int8"), "fp32_fp8": ("float32", "fp8_e4m3"),
+            "bf16": ("bfloat16", "auto"), "bf16_int8": ("bfloat16", "int8"), "bf16_fp8": ("bfloat16", "fp8_e4m3")}
+LONG_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8,
+                "fp8": torch.float8_e4m3fn}
+LONG_HEADS = (8, 4, 64)  # query heads, KV heads, head size: the benchmarks' random Llama
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=str(BUNDLED_MODEL))
+    p.add_argument("--kv-cache-memory", default="64MiB", help="the pool every variant gets")
+    p.add_argument("--documents", type=int, default=32)
+    p.add_argument("--document-tokens", type=int, default=1000)
+    p.add_argument("--rounds", type=int, default=3, help="times every document is asked about")
+    p.add_argument("--batch", type=int, default=8, help="requests submitted together")
+    p.add_argument("--answer", type=int, default=8, help="tokens per answer")
+    p.add_argument("--repeats", type=int, default=3, help="runs per variant (seconds: the fastest)")
+    p.add_argument("--long-sequences", type=int, default=4)
+    p.add_argument("--long-context", type=int, default=8000)
+    p.add_argument("--long-steps", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def workload(engine: Engine, args: argparse.Namespace) -> list[list[list[int]]]:
+    """Each round's prompts: every document with a fresh question, in an order of its own."""
+    rng = random.Random(args.seed)
+    model = engine.model
+    special = engine.eos_token_ids | {model.image_token_id}
+    ordinary = [t for t in range(model.text_config.vocab_size) if t not in special]
+    documents = [[rng.choice(ordinary) for _ in range(args.document_tokens)] for _ in range(args.documents)]
+    rounds = []
+    for _ in range(args.rounds):
+        order = rng.sample(range(args.documents), args.documents)
+        rounds.append([documents[i] + [rng.choice(ordinary) for _ in range(4)] for i in order])
+    return rounds
+
+
+def serve(engine: Engine, rounds: list[list[list[int]]], args: argparse.Namespace) -> tuple[list, float]:
+    """Every round's prompts in batches of ``args.batch``: the answers and the seconds."""
+    params = SamplingParams(max_tokens=args.answer, ignore_eos=True)
+    answers = []
+    with gc_paused():
+        start = time.perf_counter()
+        for prompts in rounds:
+            for i in range(0, len(prompts), args.batch):
+                answers += [o.token_ids for o in engine.generate(prompts[i:i + args.batch], params)]
+        return answers, time.perf_counter() - start
+
+
+def capacity(args: argparse.Namespace) -> dict:
+    result: dict = {}
+    answers: dict[str, list] = {}
+    for name, (dtype, kv_cache_dtype) in VARIANTS.items():
+        best = math.inf
+        for _ in range(args.repeats):
+            engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, host_kv_memory="16MiB",
+                            device="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+            rounds = workload(engine, args)
+            outs, seconds = serve(engine, rounds, args)
+            best = min(best, seconds)
+        answers[name] = outs
+        stats = engine.stats()
+        prompt_tokens = sum(len(p) for prompts in rounds for p in prompts)
+        result.update({f"pool_tokens_{name}": stats["kv_pool_tokens"],
+                       f"bytes_per_token_{name}": stats["kv_bytes_per_token"],
+                       f"cached_prompt_tokens_{name}": stats["cached_prompt_tokens"],
+                       f"hit_rate_{name}": round(stats["cached_prompt_tokens"] / prompt_tokens, 4),
+                       f"recomputed_prompt_tokens_{name}":  # computed again after the first round
+                           prompt_tokens - sum(len(p) for p in rounds[0]) - stats["cached_prompt_tokens"],
+                       f"evictions_{name}": stats["evictions"],
+                       f"seconds_{name}": round(best, 3)})
+    for name in VARIANTS:
+        reference = answers["bf16" if name.startswith("bf16") else "fp32"]
+        result[f"greedy_agreement_{name}"] = round(
+            sum(a == b for a, b in zip(answers[name], reference)) / len(reference), 4)
+    result["greedy_agreement_int8"] = result["greedy_agreement_fp32_int8"]
+    result["greedy_agreement_fp8"] = result["greedy_agreement_fp32_fp8"]
+    result["cached_prompt_tokens_int8_vs_bf16"] = round(
+        result["cached_prompt_tokens_bf16_int8"] / max(result["cached_prompt_tokens_bf16"], 1), 3)
+    result["pool_tokens_int8_vs_bf16"] = round(result["pool_tokens_bf16_int8"] / result["pool_tokens_bf16"], 3)
+    result["seconds_int8_vs_bf16"] = round(result["seconds_bf16_int8"] / result["seconds_bf16"], 3)
+    return result
+
+
+def long_decode(args: argparse.Namespace) -> dict:
+    """The native decode kernel's seconds per layer call over long contexts, per cache format."""
+    if native.kernel() is None:
+        return {"decode_attention_note": "the native kernel is not built here"}
+    hq, hkv, dim = LONG_HEADS
+    block, d = 16, args.long_sequences
+    width = -(-args.long_context // block)
+    g = torch.Generator().manual_seed(args.seed)
+    values = torch.randn(d * width, 2, block, hkv, dim, generator=g)
+    pages = torch.randperm(d * width, generator=g).view(d, width)
+    lens = torch.full((d,), args.long_context)
+    key_start = torch.zeros(d, dtype=torch.long)
+    positions = (lens - 1).view(d, 1)
+    q = torch.randn(d, 1, hq, dim, generator=g)
+    result: dict = {}
+    for name, dtype in LONG_FORMATS.items():
+        layer = kv_format.encode(values, dtype)
+        best = math.inf
+        with gc_paused():
+            for _ in range(args.long_steps):
+                start = time.perf_counter()
+                native.paged_decode(q, layer, pages, lens, key_start, positions, dim ** -0.5, None, None)
+                best = min(best, time.perf_counter() - start)
+        result[f"decode_attention_seconds_{name}"] = round(best, 6)
+        result[f"kv_bytes_read_{name}"] = layer[pages.view(-1)].numel() * layer.element_size()
+    result["decode_attention_int8_vs_bf16"] = round(
+        result["decode_attention_seconds_int8"] / result["decode_attention_seconds_bf16"], 3)
+    result["decode_attention_fp8_vs_bf16"] = round(
+        result["decode_attention_seconds_fp8"] / result["decode_attention_seconds_bf16"], 3)
+    return result
+
+
+def run(args: argparse.Namespace) -> dict:
+    return {**capacity(args), **long_decode(args)}
