@@ -335,12 +335,12 @@ class KVCache:
         """Every int8 row of a block in use or cached carries a finite scale of at least 0
         (``cache.kv_format``): codes written over a scale, or a block moved without its last
         bytes, break it."""
-        held = [b for b, count in enumerate(self.pool.refcount) if count or self.pool.cached[b]]
+        int8 = [(i, layer) for i, layer in enumerate(self.storage.layers) if layer.dtype == torch.int8]
+        held = [b for b, count in enumerate(self.pool.refcount) if count or self.pool.cached[b]] if int8 else []
         if not held:
             return
         index = torch.tensor(held, device=self.storage.device)
-        for i, layer in enumerate(self.storage.layers):
-            if layer.dtype == torch.int8:
-                scales = kv_format.scales(layer.index_select(0, index))
-                assert bool(torch.isfinite(scales).all() and (scales >= 0).all()), \
-                    f"cache layer {i} holds an int8 row whose scale is negative or not finite"
+        for i, layer in int8:
+            scales = kv_format.scales(layer.index_select(0, index))
+            assert bool(torch.isfinite(scales).all() and (scales >= 0).all()), \
+                f"cache layer {i} holds an int8 row whose scale is negative or not finite"

@@ -99,6 +99,20 @@ def test_draft_model_speculation_over_the_reference_kernels(model_dirs, hf_oracl
     assert eng.stats()["spec_rounds"] > 0
 
 
+def test_fp8_kv_over_the_reference_kernels_equals_the_torch_backend(model_dirs):
+    """``kv_cache_dtype="fp8_e4m3"``: the plans say the cache's fp8 (the reference refuses a run
+    whose cache is not what the plan said), appends write fp8, and greedy output over prefix hits
+    and decode equals the torch backend's over the same fp8 cache."""
+    [doc] = prompts(59, [30])
+    batch = [doc + p for p in prompts(60, [3, 5, 9])] + prompts(61, [7, 45])
+    eng, backend = fi_engine(model_dirs["llama"], max_num_batched_tokens=40, kv_cache_dtype="fp8_e4m3")
+    torch_eng = Engine(model_dirs["llama"], block_size=4, device="cpu", kv_cache_dtype="fp8_e4m3")
+    assert eng.kv.storage.layers[0].dtype == torch.float8_e4m3fn
+    assert [o.token_ids for o in eng.generate(batch, GREEDY)] == [
+        o.token_ids for o in torch_eng.generate(batch, GREEDY)]
+    assert backend.calls["append_paged_kv_cache"] > 0 and backend.calls["merge_state"] > 0
+
+
 @pytest.mark.parametrize("family", ["mllama", "mmkv_vlm"])
 def test_cross_attention_over_the_reference_kernels(vlm_dirs, hf_models, family):
     """Image K/V written with append_paged_kv_cache, read by the cross wrapper (Mllama: rows

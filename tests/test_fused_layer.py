@@ -17,25 +17,10 @@ from mmkv.models.fused_layer import RMSNorm
 from mmkv.models.packed_linear import ONE_THREAD, PACKED, PLAIN, PackedLinear, padded_rows, row_class
 from test_engine_oracle import engine, prompts
 from test_multimodal import q, vlm_engine
-from tiny_models import FAMILIES
+from tiny_models import FAMILIES, captured_logits
 from tiny_vlms import picture
 
 P = SamplingParams(max_tokens=8, ignore_eos=True)
-
-
-def captured_logits(eng, requests) -> list[torch.Tensor]:
-    logits = []
-    forward = eng.model.forward
-
-    def spy(input_ids, step, rows):
-        out = forward(input_ids, step, rows)
-        logits.append(out.clone())
-        return out
-
-    eng.model.forward = spy
-    eng.generate(requests, P)
-    del eng.model.forward
-    return logits
 
 
 def module_cross_layer(layer, hidden, step):
@@ -57,7 +42,7 @@ def assert_same_as_modules(build, requests, monkeypatch) -> None:
     packed = build()
     assert packed.model.fused and all(isinstance(f.qkv, PackedLinear) and f.input_norm.kernel is not None
                                       for f in packed.model.fused.values())
-    packed_logits = captured_logits(packed, requests)
+    packed_logits = captured_logits(packed, requests, P)
     monkeypatch.setenv("MMKV_PACK_WEIGHTS", "0")
     monkeypatch.setenv("MMKV_NATIVE", "0")  # torch's RMSNorm, as the modules run it
     native.library.cache_clear()
@@ -66,12 +51,12 @@ def assert_same_as_modules(build, requests, monkeypatch) -> None:
     finally:
         native.library.cache_clear()
     assert all(norm.kernel is None for f in plain.model.fused.values() for norm in (f.input_norm, f.mlp.norm))
-    fused = captured_logits(plain, requests)
+    fused = captured_logits(plain, requests, P)
     plain.kv.tree.evict(plain.kv.pool.num_blocks)  # the second run reuses nothing cached
     plain.model.fused = {}
     plain.model.run_cross_layer = module_cross_layer
     plain.model.final_norm, plain.model._embedding = plain.model.text_model.norm, None  # modules
-    modules = captured_logits(plain, requests)
+    modules = captured_logits(plain, requests, P)
     assert len(fused) == len(modules) == len(packed_logits) >= P.max_tokens
     for a, b, c in zip(fused, modules, packed_logits):
         assert torch.equal(a, b), (a - b).abs().max()

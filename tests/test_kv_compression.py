@@ -15,7 +15,7 @@ from hypothesis.extra.numpy import arrays
 from cache import kv_format
 from mmkv import Engine, SamplingParams
 from speculative import SpeculativeConfig
-from tiny_models import LEARNING, build_model
+from tiny_models import LEARNING, build_model, captured_logits
 from tiny_vlms import IMAGE_TOKEN, build_mllama, picture
 
 FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -106,10 +106,12 @@ def test_swapped_compressed_blocks_come_back_as_they_were(model_dirs, kv_cache_d
     compressed engine's with room for everyone, token for token (the bytes, scales included,
     came back), and no block is left behind."""
     batch = _prompts(5, [30, 41, 37, 25])
-    roomy = Engine(model_dirs["llama"], device="cpu", block_size=4, kv_cache_dtype=kv_cache_dtype)
+    roomy = Engine(model_dirs["llama"], device="cpu", block_size=4, kv_cache_dtype=kv_cache_dtype,
+                   kv_cache_memory="8MiB")
     want = [o.token_ids for o in roomy.generate(batch, SamplingParams(max_tokens=24, ignore_eos=True))]
     tight = Engine(model_dirs["llama"], device="cpu", block_size=4, kv_cache_dtype=kv_cache_dtype,
-                   kv_cache_memory=34 * roomy.kv.bytes_per_block, preemption="swap", debug=True)
+                   kv_cache_memory=34 * roomy.kv.bytes_per_block, host_kv_memory=64 * roomy.kv.bytes_per_block,
+                   preemption="swap", debug=True)
     got = [o.token_ids for o in tight.generate(batch, SamplingParams(max_tokens=24, ignore_eos=True))]
     assert tight.stats()["preemptions_swap"] > 0
     assert got == want
@@ -121,7 +123,7 @@ def test_shared_prefixes_and_forks_read_the_same_compressed_blocks(model_dirs, k
     """A cached prefix, n > 1 (forks, copy-on-write of the partial block) and a batch agree with
     one request at a time on the same compressed engine, and reuse happened."""
     eng = Engine(model_dirs["llama"], device="cpu", block_size=4, kv_cache_dtype=kv_cache_dtype,
-                 debug=True)
+                 kv_cache_memory="4MiB", host_kv_memory="1MiB", debug=True)
     [doc] = _prompts(6, [42])
     batch = [doc + tail for tail in _prompts(7, [3, 5, 6])]
     alone = [eng.generate([p], GREEDY)[0].token_ids for p in batch]
@@ -140,7 +142,7 @@ def test_speculation_over_compressed_blocks_gives_the_plain_output(model_dirs, t
     batch = _prompts(8, [9, 23, 17])
     plain = Engine(target, device="cpu", block_size=4, kv_cache_dtype="int8")
     want = [o.token_ids for o in plain.generate(batch, GREEDY)]
-    spec = Engine(target, device="cpu", block_size=4, kv_cache_dtype="int8", debug=True,
+    spec = Engine(target, device="cpu", block_size=4, kv_cache_dtype="int8", debug=True, kv_cache_memory="8MiB", host_kv_memory="1MiB",
                   speculative=SpeculativeConfig(method=method, num_tokens=3, early_exit_layer=1,
                                                 draft_model=draft, settings=LEARNING))
     got = [o.token_ids for o in spec.generate(batch, GREEDY)]
@@ -148,20 +150,9 @@ def test_speculation_over_compressed_blocks_gives_the_plain_output(model_dirs, t
     assert got == want
 
 
-def _next_token_logits(engine: Engine, prompts: list, **params) -> torch.Tensor:
+def _next_token_logits(engine: Engine, prompts: list) -> torch.Tensor:
     """The logits of each prompt's next token, as the engine's model computed them."""
-    captured = []
-    forward = engine.model.forward
-
-    def spy(input_ids, step, rows):
-        out = forward(input_ids, step, rows)
-        captured.append(out.clone())
-        return out
-
-    engine.model.forward = spy
-    engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True, **params))
-    engine.model.forward = forward
-    return torch.cat(captured).double()
+    return torch.cat(captured_logits(engine, prompts, SamplingParams(max_tokens=1, ignore_eos=True))).double()
 
 
 def _kl(exact: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

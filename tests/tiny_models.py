@@ -66,3 +66,21 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                          min_new_tokens=max_new_tokens)
     return out[0, len(prompt):].tolist()
+
+
+def captured_logits(engine, requests, params) -> list[torch.Tensor]:
+    """The logits every step of ``engine.generate(requests, params)`` computed, in step order."""
+    logits = []
+    forward = engine.model.forward
+
+    def spy(input_ids, step, rows):
+        out = forward(input_ids, step, rows)
+        logits.append(out.clone())
+        return out
+
+    engine.model.forward = spy
+    try:
+        engine.generate(requests, params)
+    finally:
+        del engine.model.forward
+    return logits

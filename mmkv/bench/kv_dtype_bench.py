@@ -21,6 +21,12 @@ decode attention costs over long contexts, per KV format.
    ``--long-steps`` calls, per cache format (``decode_attention_seconds_<format>``), and
    ``decode_attention_int8_vs_bf16``. Decode attention there reads every cached byte once a
    step, so it goes with the bytes a format stores.
+3. **Against llama.cpp's q8_0 KV** (``--peers llama.cpp``, installed by ``make bench-peers``): the
+   capacity workload on the benchmarks' random Llama, ``--peer-documents`` documents, mmkv's int8
+   cache against llama.cpp's q8_0 K and V in the same bytes, llama.cpp serving ``--batch`` parallel
+   slots the way llama-server does with its prompt cache (``LlamaCpp.serve_slots``):
+   ``speedup_int8_vs_llama_cpp_q8_0_kv``, each side's prompt tokens served from its cache, and the
+   share of answers the two agree on (both quantise, differently, so near ties may split).
 """
 
 from __future__ import annotations
@@ -28,14 +34,17 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from cache import kv_format
 from mmkv import Engine, SamplingParams
 from mmkv.attention import native
-from mmkv.bench import gc_paused
+from mmkv.bench import gc_paused, llama_cpp_peer
+from mmkv.bench.random_models import BENCH_LLAMA, save_random_llama
 from mmkv.bundled import BUNDLED_MODEL
 
 VARIANTS = {"fp32": ("float32", "auto"), "fp32_int8": ("float32", "int8"), "fp32_fp8": ("float32", "fp8_e4m3"),
@@ -58,20 +67,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-context", type=int, default=8000)
     p.add_argument("--long-steps", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peers", default="", help="llama.cpp: also the capacity workload against its q8_0 KV")
+    p.add_argument("--peer-documents", type=int, default=16, help="documents of the llama.cpp comparison")
 
 
-def workload(engine: Engine, args: argparse.Namespace) -> list[list[list[int]]]:
+def ordinary_tokens(engine: Engine) -> list[int]:
+    """The model's token ids but its end-of-sequence and image tokens."""
+    special = engine.eos_token_ids | {engine.model.image_token_id}
+    return [t for t in range(engine.model.text_config.vocab_size) if t not in special]
+
+
+def workload(ordinary: list[int], documents: int, args: argparse.Namespace) -> list[list[list[int]]]:
     """Each round's prompts: every document with a fresh question, in an order of its own."""
     rng = random.Random(args.seed)
-    model = engine.model
-    special = engine.eos_token_ids | {model.image_token_id}
-    ordinary = [t for t in range(model.text_config.vocab_size) if t not in special]
-    documents = [[rng.choice(ordinary) for _ in range(args.document_tokens)] for _ in range(args.documents)]
+    texts = [[rng.choice(ordinary) for _ in range(args.document_tokens)] for _ in range(documents)]
     rounds = []
     for _ in range(args.rounds):
-        order = rng.sample(range(args.documents), args.documents)
-        rounds.append([documents[i] + [rng.choice(ordinary) for _ in range(4)] for i in order])
+        order = rng.sample(range(documents), documents)
+        rounds.append([texts[i] + [rng.choice(ordinary) for _ in range(4)] for i in order])
     return rounds
+
+
+def in_batches(rounds: list[list[list[int]]], batch: int) -> list[list[list[int]]]:
+    return [prompts[i:i + batch] for prompts in rounds for i in range(0, len(prompts), batch)]
 
 
 def serve(engine: Engine, rounds: list[list[list[int]]], args: argparse.Namespace) -> tuple[list, float]:
@@ -80,9 +98,8 @@ def serve(engine: Engine, rounds: list[list[list[int]]], args: argparse.Namespac
     answers = []
     with gc_paused():
         start = time.perf_counter()
-        for prompts in rounds:
-            for i in range(0, len(prompts), args.batch):
-                answers += [o.token_ids for o in engine.generate(prompts[i:i + args.batch], params)]
+        for prompts in in_batches(rounds, args.batch):
+            answers += [o.token_ids for o in engine.generate(prompts, params)]
         return answers, time.perf_counter() - start
 
 
@@ -94,7 +111,7 @@ def capacity(args: argparse.Namespace) -> dict:
         for _ in range(args.repeats):
             engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, host_kv_memory="16MiB",
                             device="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-            rounds = workload(engine, args)
+            rounds = workload(ordinary_tokens(engine), args.documents, args)
             outs, seconds = serve(engine, rounds, args)
             best = min(best, seconds)
         answers[name] = outs
@@ -153,5 +170,48 @@ def long_decode(args: argparse.Namespace) -> dict:
     return result
 
 
+def against_llama_cpp(args: argparse.Namespace) -> dict:
+    """The capacity workload on the benchmarks' random Llama (a llama.cpp architecture):
+    ``--peer-documents`` documents, mmkv with int8 KV against llama.cpp with q8_0 K and V served
+    as llama-server serves ``--batch`` parallel slots with its prompt cache
+    (``LlamaCpp.serve_slots``), each with the same KV bytes: what the slots take."""
+    missing = llama_cpp_peer.available()
+    if missing is not None:
+        return {"llama_cpp": missing}
+    rounds = workload(list(range(BENCH_LLAMA["vocab_size"])), args.peer_documents, args)
+    batches = in_batches(rounds, args.batch)
+    slot_tokens = args.document_tokens + 4 + args.answer
+    layers, kv_heads = BENCH_LLAMA["num_hidden_layers"], BENCH_LLAMA["num_key_value_heads"]
+    head_dim = BENCH_LLAMA["hidden_size"] // BENCH_LLAMA["num_attention_heads"]
+    q8_0_bytes = layers * 2 * kv_heads * head_dim * 34 // 32  # blocks of 32 values: 32 bytes and a half scale
+    memory = args.batch * slot_tokens * q8_0_bytes
+    result: dict = {"llama_cpp": "timed", "peer_kv_bytes": memory}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = save_random_llama(Path(tmp) / "llama", args.seed)
+        gguf = llama_cpp_peer.convert(model, Path(tmp) / "gguf", ["f32"])["f32"]
+        peer = llama_cpp_peer.LlamaCpp(gguf, args.batch, slot_tokens, kv_type="q8_0")
+        theirs, peer_s, reused = None, math.inf, 0
+        for _ in range(args.repeats):
+            with gc_paused():
+                start = time.perf_counter()
+                theirs, reused = peer.serve_slots(batches, args.answer)
+                peer_s = min(peer_s, time.perf_counter() - start)
+        peer.close()
+        ours, mmkv_s = None, math.inf
+        for _ in range(args.repeats):
+            engine = Engine(model, kv_cache_memory=memory, host_kv_memory="16MiB", device="cpu",
+                            dtype="float32", kv_cache_dtype="int8")
+            ours, seconds = serve(engine, rounds, args)
+            mmkv_s = min(mmkv_s, seconds)
+        result.update({"llama_cpp_q8_0_seconds": round(peer_s, 3), "llama_cpp_cached_prompt_tokens": reused,
+                       "mmkv_int8_seconds": round(mmkv_s, 3),
+                       "mmkv_int8_cached_prompt_tokens": engine.stats()["cached_prompt_tokens"],
+                       "speedup_int8_vs_llama_cpp_q8_0_kv": round(peer_s / mmkv_s, 3),
+                       "greedy_agreement_with_llama_cpp": round(
+                           sum(a == b for a, b in zip(ours, theirs)) / len(ours), 4)})
+    return result
+
+
 def run(args: argparse.Namespace) -> dict:
-    return {**capacity(args), **long_decode(args)}
+    peer = against_llama_cpp(args) if "llama.cpp" in args.peers else {}
+    return {**capacity(args), **long_decode(args), **peer}

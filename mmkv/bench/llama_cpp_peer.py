@@ -62,7 +62,10 @@ def convert(model_dir: Path, work: Path, outtypes: list[str]) -> dict[str, Path]
 class LlamaCpp:
     """One GGUF model in a llama.cpp context sized for ``num_seqs`` sequences of ``max_len``."""
 
-    def __init__(self, gguf: Path, num_seqs: int, max_len: int, threads: int | None = None) -> None:
+    def __init__(self, gguf: Path, num_seqs: int, max_len: int, threads: int | None = None,
+                 kv_type: str = "f16") -> None:
+        """``kv_type``: the K and V cache's type, ``f16`` (llama.cpp's default) or ``q8_0``
+        (``--cache-type-k/-v q8_0``; a quantised V cache needs flash attention, which it turns on)."""
         import llama_cpp as L
 
         self.L = L
@@ -76,12 +79,16 @@ class LlamaCpp:
         ctx.n_batch = ctx.n_ubatch = max(512, num_seqs * 32)
         ctx.n_seq_max = num_seqs
         ctx.kv_unified = True
+        if kv_type != "f16":
+            ctx.type_k = ctx.type_v = getattr(L, f"GGML_TYPE_{kv_type.upper()}")
+            ctx.flash_attn_type = 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
         threads = threads or os.cpu_count()
         ctx.n_threads = ctx.n_threads_batch = threads
         self.ctx = L.llama_init_from_model(self.model, ctx)
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.batch = L.llama_batch_init(ctx.n_batch, 0, num_seqs)
         self.n_batch = ctx.n_batch
+        self.num_seqs = num_seqs
 
     def close(self) -> None:
         L = self.L
@@ -131,3 +138,51 @@ class LlamaCpp:
                 break
             logits = self._decode([(t, positions[s] + step, s, True) for s, t in enumerate(tokens)])
         return outs
+
+    def serve_slots(self, batches: list[list[list[int]]], new_tokens: int) -> tuple[list[list[int]], int]:
+        """Greedy answers of ``new_tokens`` to every prompt, a batch at a time, as llama-server
+        serves parallel slots with its prompt cache: each sequence is a slot that keeps its last
+        prompt's K/V, a prompt goes to the free slot whose cached tokens share the longest prefix
+        with it (the least recently used on a tie), the slot keeps that prefix and decodes the
+        rest. Returns the answers in order and the prompt tokens served from the slots' caches."""
+        L = self.L
+        memory = L.llama_get_memory(self.ctx)
+        slots: list[list[int]] = [[] for _ in range(self.num_seqs)]
+        used = [0] * self.num_seqs
+        answers: list[list[int]] = []
+        reused = clock = 0
+        for prompts in batches:
+            free, chosen = set(range(self.num_seqs)), []
+            for prompt in prompts:
+                def shared(s: int) -> int:
+                    n = 0
+                    for a, b in zip(slots[s], prompt[:-1]):  # the last prompt token is always decoded
+                        if a != b:
+                            break
+                        n += 1
+                    return n
+
+                slot = max(free, key=lambda s: (shared(s), -used[s]))
+                free.discard(slot)
+                keep = shared(slot)
+                L.llama_memory_seq_rm(memory, slot, keep, -1)
+                chosen.append((slot, keep))
+                reused += keep
+                clock += 1
+                used[slot] = clock
+            items = [(t, pos, slot, pos == len(prompt) - 1) for (slot, keep), prompt in zip(chosen, prompts)
+                     for pos, t in enumerate(prompt) if pos >= keep]
+            logits = self._decode(items)
+            outs: list[list[int]] = [[] for _ in prompts]
+            for step in range(new_tokens):
+                tokens = [int(row.argmax()) for row in logits]
+                for o, t in zip(outs, tokens):
+                    o.append(t)
+                if step == new_tokens - 1:
+                    break
+                logits = self._decode([(t, len(prompt) + step, slot, True)
+                                       for (slot, _), prompt, t in zip(chosen, prompts, tokens)])
+            for (slot, _), prompt, out in zip(chosen, prompts, outs):
+                slots[slot] = prompt + out[:-1]  # the last answer token was never decoded
+            answers += outs
+        return answers, reused
