@@ -33,7 +33,7 @@ PEERS := .peers/llama.cpp/convert_hf_to_gguf.py
 bench-peers: $(PEERS)
 
 $(PEERS): $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install --quiet 'llama-cpp-python==$(LLAMA_CPP)' 'gguf==0.19.0' 'sentencepiece==0.2.3'
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install --quiet 'llama-cpp-python==$(LLAMA_CPP)' 'gguf==0.19.0' 'sentencepiece==0.2.3' 'xgrammar==0.2.9'
 	rm -rf .peers/src && mkdir -p .peers/src
 	$(PY) -m pip download --quiet --no-deps --no-binary :all: 'llama-cpp-python==$(LLAMA_CPP)' -d .peers/src
 	tar -xzf .peers/src/llama_cpp_python-$(LLAMA_CPP).tar.gz -C .peers/src \

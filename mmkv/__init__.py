@@ -14,11 +14,11 @@ if TYPE_CHECKING:
     from mmkv.engine import Engine
     from mmkv.models import ModelLoadError
     from mmkv.outputs import CompletionOutput, RequestOutput
-    from mmkv.sampling_params import SamplingParams
+    from mmkv.sampling_params import SamplingParams, StructuredOutput
 
 _HOMES = {"CompletionOutput": "mmkv.outputs", "Engine": "mmkv.engine",
           "ModelLoadError": "mmkv.models", "RequestOutput": "mmkv.outputs",
-          "SamplingParams": "mmkv.sampling_params"}
+          "SamplingParams": "mmkv.sampling_params", "StructuredOutput": "mmkv.sampling_params"}
 
 __all__ = sorted(_HOMES)
 __getattr__, __dir__ = lazy_exports(globals(), _HOMES)

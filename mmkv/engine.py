@@ -150,7 +150,8 @@ class Engine:
                        arrival=self.requests.new_arrival(), namespace=req.namespace,
                        generator=generators[0], stop_token_ids=req.stop_token_ids,
                        fork_generators=generators[1:], images=req.images, rope=req.rope,
-                       logprobs=None if params.logprobs is None else [])
+                       logprobs=None if params.logprobs is None else [],
+                       constraint=None if req.grammar is None else self.preparer.grammars.constraint(req.grammar))
         self.requests.add(seq)
         self._prompt_tokens += len(req.token_ids)
         self.scheduler.add(seq)

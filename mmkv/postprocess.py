@@ -75,7 +75,7 @@ class Postprocessor:
     def _append_sampled(self, drawn: Sampled) -> None:
         family = [drawn.seq]
         if len(drawn.tokens) > 1:
-            family += self._fork(drawn.seq)
+            family += self._fork(drawn.seq)  # before the parent's own token moves its grammar on
         for i, (seq, token) in enumerate(zip(family, drawn.tokens)):
             if drawn.logprobs is not None:
                 seq.logprobs.append(drawn.logprobs[i])
@@ -96,7 +96,10 @@ class Postprocessor:
             self._finish(seq, reason)
 
     def _append(self, seq: Sequence, token: int) -> None:
-        """Add a generated token; finish the sequence when it should stop."""
+        """Add a generated token (past its structured output's grammar, which allowed it); finish
+        the sequence when it should stop."""
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
         seq.token_ids.append(token)
         self.counters["generated_tokens"] += 1
         reason = self.finish_reason(seq, token)
@@ -124,7 +127,8 @@ class Postprocessor:
                              cached_tokens=parent.cached_tokens, images=parent.images,
                              logprobs=None if parent.logprobs is None else list(parent.logprobs),
                              image_tables=[self.kv.fork(t) for t in parent.image_tables],
-                             rope=parent.rope)
+                             rope=parent.rope,
+                             constraint=None if parent.constraint is None else parent.constraint.fork())
             self.scheduler.add_running(child)
             self.requests.add(child)
             children.append(child)
@@ -133,7 +137,7 @@ class Postprocessor:
     def finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Why ``seq`` ends with ``token`` just appended (None: it goes on)."""
         p = seq.params
-        if token in seq.stop_token_ids:
+        if token in seq.stop_token_ids or (seq.constraint is not None and seq.constraint.finished):
             return "stop"
         if p.stop and self.decode is not None:
             # Only text that this token completed can hold a new match.

@@ -15,6 +15,7 @@ it was.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from cache import KVCache
 from mmkv.models import ModelAdapter, MRopePositions
 from mmkv.sampling_params import SamplingParams
 from mmkv.sequence import SeqImage
+from mmkv.structured import GrammarCache
 from vision import ImageInput
 
 Prompt = str | list[int] | dict[str, Any]
@@ -42,6 +44,7 @@ class PreparedRequest:
     namespace: bytes  # the cache's namespace: its salt, and for cross-attention its images
     stop_token_ids: frozenset[int]  # tokens that end it when generated
     rope: MRopePositions | None
+    grammar: Any = None  # its structured output, compiled (``mmkv.structured``)
 
 
 class RequestPreparer:
@@ -60,6 +63,8 @@ class RequestPreparer:
         # No token stands for more characters than its own text has, so a prompt longer than this
         # cannot fit max_model_len tokens: it is refused before it is tokenized.
         self.max_prompt_chars = max_model_len * longest_token(self.tokenizer)
+        self._grammars: GrammarCache | None = None  # built with the first structured request
+        self._grammars_lock = threading.Lock()
 
     def prepare(self, prompt: Prompt, params: SamplingParams | None = None,
                 cache_salt: str | None = None, chat: bool = False,
@@ -90,7 +95,33 @@ class RequestPreparer:
             namespace += b"|images:" + ",".join(str(i.image.uid) for i in seq_images).encode()
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                     else frozenset(self.eos_token_ids))
-        return PreparedRequest(token_ids, seq_images, params, namespace, stop, rope)
+        self._check_bias(params, label)
+        grammar = None
+        if params.structured is not None:
+            try:
+                grammar = self.grammars.compile(params.structured)
+            except ValueError as err:
+                raise ValueError(f"{label}: {err}") from None
+        return PreparedRequest(token_ids, seq_images, params, namespace, stop, rope, grammar)
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """The compiled structured outputs of this model's tokenizer (``ValueError`` without one)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured output needs the model's tokenizer, and this model "
+                                     "directory has none")
+                self._grammars = GrammarCache(self.tokenizer, self.model.text_config.vocab_size,
+                                              sorted(self.eos_token_ids))
+            return self._grammars
+
+    def _check_bias(self, params: SamplingParams, label: str) -> None:
+        vocab = self.model.text_config.vocab_size
+        outside = [t for t in params.logit_bias or () if t >= vocab]
+        if outside:
+            raise ValueError(f"{label}: logit_bias names token {outside[0]}; the vocabulary has "
+                             f"tokens 0 to {vocab - 1}")
 
     def render_chat(self, messages: list[dict[str, Any]], label: str = "request") -> list[int]:
         """``render_chat`` with this model's tokenizer; messages whose text is longer than

@@ -29,6 +29,7 @@ from mmkv.outputs import TokenLogprob
 from mmkv.sampler import sample, token_logprob
 from mmkv.scheduler import ScheduledBatch
 from mmkv.sequence import Sequence
+from mmkv.structured import apply_masks
 from mmkv.step_context import AttentionBackend, StepContext
 from speculative.config import SpeculativeConfig
 from speculative.proposers import DraftModelSpeculator, EarlyExitSpeculator, Speculator
@@ -165,6 +166,11 @@ class ModelRunner:
             return
         result.computed.extend(zip(seqs, q_lens))
         chosen = [seqs[i] for i in sampling]
+        constrained = [row for row, s in enumerate(chosen) if s.params.constrained]
+        if constrained:  # logit biases and grammar masks, every constrained row at once
+            with torch.inference_mode():  # the logits are the forward's inference tensor
+                apply_masks(logits, constrained, [chosen[r].constraint for r in constrained],
+                            [chosen[r].params.logit_bias for r in constrained])
         greedy = _greedy_tokens(chosen, logits)
         for row, seq in enumerate(chosen):
             try:

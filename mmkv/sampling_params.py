@@ -2,10 +2,54 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # most alternatives a token's logprobs can list (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 100.0  # the largest bias magnitude (OpenAI's limit)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What a request's output must be; exactly one field is set, or ``ValueError`` names them.
+
+    ``json_schema``: a JSON schema (a dict or its JSON text); ``json_object``: any JSON object;
+    ``choice``: one of these strings; ``regex``: a full match of this regular expression;
+    ``grammar``: an EBNF grammar with a ``root`` rule (xgrammar's GBNF dialect)."""
+
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    choice: tuple[str, ...] | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            choice = tuple(self.choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", choice)
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
+            raise ValueError(f"json_schema must be a dict or a JSON string, got {type(self.json_schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
+        given = [name for name in ("json_schema", "json_object", "choice", "regex", "grammar")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured output takes exactly one of json_schema, json_object, choice, "
+                             f"regex, grammar; got {', '.join(given) or 'none'}")
+
+    def key(self) -> tuple:
+        """What identifies the compiled grammar."""
+        schema = self.json_schema
+        if isinstance(schema, dict):
+            schema = json.dumps(schema, sort_keys=True)
+        return schema, self.json_object, self.choice, self.regex, self.grammar
 
 
 @dataclass(slots=True)
@@ -18,6 +62,9 @@ class SamplingParams:
     ``seed`` makes sampling reproducible whatever else is in the batch.
     ``logprobs``: None, or return each generated token's log-probability with that many of the
     most likely alternatives (0 to ``MAX_LOGPROBS``); such a request decodes without speculation.
+    ``structured``: a ``StructuredOutput`` the output must match (``mmkv.structured``); a request
+    with it decodes without speculation. ``logit_bias``: token id -> a value in [-100, 100] added
+    to that token's logit before any sampling filter (and before the structured output's mask).
     """
 
     max_tokens: int = 16
@@ -31,6 +78,8 @@ class SamplingParams:
     n: int = 1
     priority: int = 0
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +106,22 @@ class SamplingParams:
                 raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                _check_int("logit_bias token ids", token, low=0)
+                if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                     f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token}")
+            self.logit_bias = dict(self.logit_bias) or None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the logits are changed before sampling (a structured output or a logit bias)."""
+        return self.structured is not None or self.logit_bias is not None
 
     @property
     def greedy(self) -> bool:

@@ -244,7 +244,8 @@ class Scheduler:
             return batch
         seqs, q_lens, candidates = [], [], []
         for seq, q in zip(batch.seqs, batch.q_lens):
-            if q == 1 and seq.num_pending == 1 and seq.params.n == 1 and seq.params.logprobs is None:
+            if (q == 1 and seq.num_pending == 1 and seq.params.n == 1 and seq.params.logprobs is None
+                    and not seq.params.constrained):
                 candidates.append(seq)
             else:
                 seqs.append(seq)

@@ -13,6 +13,7 @@ from mmkv.detokenizer import IncrementalText
 from mmkv.models import ImagePlacement, MRopePositions
 from mmkv.outputs import TokenLogprob
 from mmkv.sampling_params import SamplingParams
+from mmkv.structured import Constraint
 from speculative.acceptance import DraftHistory
 from vision import PreparedImage
 
@@ -75,6 +76,7 @@ class Sequence:
     image_tables: list[BlockTable] = field(default_factory=list)  # cross-attention K/V blocks
     rope: MRopePositions | None = None  # M-RoPE models: positions fixed at submission
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
+    constraint: Constraint | None = None  # its structured output's grammar state, when asked for
     # the speculator's own record of this sequence (the runner's proposers keep them)
     drafting: DraftHistory | None = None  # its drafts' acceptance
     draft_valid: int | None = None  # a draft model's K/V is current below this (None: ask the cache)

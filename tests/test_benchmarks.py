@@ -356,3 +356,12 @@ def test_kv_dtype_bench_holds_more_documents_in_compressed_pools():
     for field in ("seconds_int8_vs_bf16", "greedy_agreement_int8", "greedy_agreement_fp8",
                   "decode_attention_int8_vs_bf16", "decode_attention_fp8_vs_bf16"):
         assert result[field] > 0, field
+
+
+def test_structured_bench_reports_the_schemas_cost_and_that_every_output_validated():
+    result = bench("structured", "--requests", "4", "--batch1-requests", "2", "--repeats", "1",
+                   "--max-tokens", "96")
+    assert result["all_outputs_valid"] is True
+    for field in ("schema_vs_free_tokens_per_s_b1", "schema_vs_free_tokens_per_s_b32",
+                  "mask_us_per_token_b1", "mask_us_per_token_b32"):
+        assert result[field] > 0, field

@@ -12,9 +12,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import re
+
 import httpx
 import openai
 import pytest
+
+import mmkv
 
 from mmkv import SamplingParams
 from mmkv.server.media import MediaPolicy
@@ -166,6 +170,61 @@ def test_logprobs_are_the_engines(served, offline):
     text = client(served).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6,
                                              temperature=0, logprobs=2)
     assert text.choices[0].logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-5)
+
+
+TOWN = {"type": "object", "properties": {"mayor": {"type": "string", "maxLength": 12},
+                                        "founded": {"type": "integer", "minimum": 1000, "maximum": 2100}},
+        "required": ["mayor", "founded"], "additionalProperties": False}
+
+
+def test_structured_output_as_the_openai_client_asks_for_it(served, offline):
+    """``response_format`` json_schema (strict) and json_object with the ``openai`` client, vLLM's
+    ``structured_outputs`` and ``guided_*`` fields, and ``logit_bias``: sampled outputs match, and a
+    greedy one equals the offline engine's with the same constraint."""
+    import jsonschema
+
+    _, [report] = scenes_and_reports(4, 0, 1)
+    api = client(served)
+    chat = api.chat.completions.create(
+        model=MODEL_NAME, messages=report_chat(report, "describe the town as json."), max_tokens=80,
+        temperature=1.0, seed=2, n=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "town", "schema": TOWN, "strict": True}})
+    for choice in chat.choices:
+        jsonschema.validate(json.loads(choice.message.content), TOWN)
+    obj = api.chat.completions.create(model=MODEL_NAME, messages=report_chat(report, "json please"),
+                                      max_tokens=120, temperature=0, response_format={"type": "json_object"})
+    prompt = report_prompt(report, "json please")
+    want = offline.generate(offline.render_chat(report_chat(report, "json please")),
+                            SamplingParams(max_tokens=120, structured=mmkv.StructuredOutput(json_object=True)))[0]
+    assert obj.choices[0].message.content == want.outputs[0].text
+    for extra in ({"structured_outputs": {"choice": ["yes", "no"]}}, {"guided_choice": ["yes", "no"]}):
+        done = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=1.0,
+                                      seed=1, n=6, extra_body=extra)
+        assert {c.text for c in done.choices} <= {"yes", "no"}
+    regex = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=1.0, seed=3,
+                                   extra_body={"guided_regex": "[0-9]{3}"})
+    assert re.fullmatch("[0-9]{3}", regex.choices[0].text)
+    token = offline.tokenizer.encode("q", add_special_tokens=False)[0]
+    biased = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0,
+                                    logit_bias={str(token): 100})
+    assert biased.choices[0].text == "qqq"
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format type must be text, json_object or json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "invalid json_schema"),
+    ({"structured_outputs": {"choices": ["a"]}}, "structured_outputs takes choice"),
+    ({"guided_regex": "[a", "guided_choice": ["a"]}, "ask for one structured output"),
+    ({"guided_regex": "[unclosed"}, "invalid regex"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids"),
+    ({"logit_bias": {"5": 300}}, "logit_bias values must be numbers in [-100, 100]"),
+])
+def test_a_bad_structured_output_is_a_400_naming_it(served, body, message):
+    r = post(served, CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], **body})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert client(served).completions.create(model=MODEL_NAME, prompt="still here", max_tokens=2).choices
 
 
 def test_cache_salt_keeps_tenants_apart(served):

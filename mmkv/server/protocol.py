@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from mmkv import SamplingParams
+from mmkv.sampling_params import StructuredOutput
 
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -89,13 +90,17 @@ class _Sampling(_Model):
     stop_token_ids: list[StrictInt] = Field(default_factory=list)
     priority: int = 0
     cache_salt: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's spelling: choice, regex, json, grammar
+    guided_choice: list[str] | None = None  # vLLM's older spelling
+    guided_regex: str | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0):
                 raise ApiError(400, f"{name} is not supported; allowed: 0", param=name)
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported; allowed: empty", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -103,13 +108,65 @@ class _Sampling(_Model):
             raise ApiError(400, f"stop has {len(stops)} entries; at most {MAX_STOP}", param="stop")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        structured, bias = self.structured(), self.token_bias()
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=max(self.top_k, 0), seed=self.seed, stop=self.stop or [],
                                   stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                                  n=self.n, priority=self.priority, logprobs=logprobs)
+                                  n=self.n, priority=self.priority, logprobs=logprobs,
+                                  structured=structured, logit_bias=bias)
         except ValueError as err:
             raise ApiError(400, str(err), param=str(err).split(" ")[0]) from None
+
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with its keys (token ids as strings, as OpenAI sends them) as integers."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            bad = next(t for t in self.logit_bias if not t.strip().lstrip("-").isdigit())
+            raise ApiError(400, f"logit_bias keys must be token ids, got {bad!r}", param="logit_bias") from None
+
+    def structured(self) -> StructuredOutput | None:
+        """The structured output asked for by ``response_format`` (OpenAI), ``structured_outputs``
+        or a ``guided_*`` field (vLLM); at most one of them; ``ApiError`` 400 naming a bad one."""
+        asked: dict[str, dict[str, Any]] = {}
+        rf = self.response_format
+        if rf is not None and rf.get("type") != "text":
+            kind = rf.get("type")
+            if kind == "json_object":
+                asked["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise ApiError(400, "response_format json_schema needs json_schema.schema, a JSON "
+                                        "schema object", param="response_format")
+                asked["response_format"] = {"json_schema": spec["schema"]}
+            else:
+                raise ApiError(400, f"response_format type must be text, json_object or json_schema, "
+                                    f"got {kind!r}", param="response_format")
+        if self.structured_outputs:
+            names = {"choice": "choice", "regex": "regex", "json": "json_schema", "grammar": "grammar",
+                     "json_object": "json_object"}
+            unknown = sorted(set(self.structured_outputs) - set(names))
+            if unknown:
+                raise ApiError(400, f"structured_outputs takes {', '.join(names)}; got {unknown[0]!r}",
+                               param="structured_outputs")
+            asked["structured_outputs"] = {names[k]: v for k, v in self.structured_outputs.items()}
+        for name, field in (("guided_choice", "choice"), ("guided_regex", "regex"),
+                            ("guided_json", "json_schema"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked[name] = {field: getattr(self, name)}
+        if len(asked) > 1:
+            raise ApiError(400, f"ask for one structured output, got {', '.join(asked)}", param=next(iter(asked)))
+        if not asked:
+            return None
+        [(param, spec)] = asked.items()
+        try:
+            return StructuredOutput(**spec)
+        except (ValueError, TypeError) as err:
+            raise ApiError(400, f"{param}: {err}", param=param) from None
 
     @property
     def include_usage(self) -> bool:
@@ -124,15 +181,11 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools or self.tool_choice not in (None, "none"):
             raise ApiError(400, "tools are not supported", param="tools")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ApiError(400, "response_format is not supported; allowed: {\"type\": \"text\"}",
-                           param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
