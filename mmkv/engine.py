@@ -151,7 +151,7 @@ class Engine:
                        generator=generators[0], stop_token_ids=req.stop_token_ids,
                        fork_generators=generators[1:], images=req.images, rope=req.rope,
                        logprobs=None if params.logprobs is None else [],
-                       constraint=None if req.grammar is None else self.preparer.grammars.constraint(req.grammar))
+                       constraint=req.constraint)
         self.requests.add(seq)
         self._prompt_tokens += len(req.token_ids)
         self.scheduler.add(seq)

@@ -86,6 +86,8 @@ class Postprocessor:
         self.counters["decode_tokens"] += verdict.accepted + 1
         reason = None
         for token in verdict.tokens:
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
             seq.token_ids.append(token)
             self.counters["generated_tokens"] += 1
             if (reason := self.finish_reason(seq, token)) is not None:

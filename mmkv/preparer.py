@@ -27,7 +27,7 @@ from cache import KVCache
 from mmkv.models import ModelAdapter, MRopePositions
 from mmkv.sampling_params import SamplingParams
 from mmkv.sequence import SeqImage
-from mmkv.structured import GrammarCache
+from mmkv.structured import Constraint, GrammarCache
 from vision import ImageInput
 
 Prompt = str | list[int] | dict[str, Any]
@@ -44,7 +44,7 @@ class PreparedRequest:
     namespace: bytes  # the cache's namespace: its salt, and for cross-attention its images
     stop_token_ids: frozenset[int]  # tokens that end it when generated
     rope: MRopePositions | None
-    grammar: Any = None  # its structured output, compiled (``mmkv.structured``)
+    constraint: Constraint | None = None  # its structured output's matcher (``mmkv.structured``)
 
 
 class RequestPreparer:
@@ -96,13 +96,13 @@ class RequestPreparer:
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                     else frozenset(self.eos_token_ids))
         self._check_bias(params, label)
-        grammar = None
-        if params.structured is not None:
+        constraint = None
+        if params.structured is not None:  # compiled and its matcher made here, off the engine's thread
             try:
-                grammar = self.grammars.compile(params.structured)
+                constraint = self.grammars.constraint(self.grammars.compile(params.structured))
             except ValueError as err:
                 raise ValueError(f"{label}: {err}") from None
-        return PreparedRequest(token_ids, seq_images, params, namespace, stop, rope, grammar)
+        return PreparedRequest(token_ids, seq_images, params, namespace, stop, rope, constraint)
 
     @property
     def grammars(self) -> GrammarCache:

@@ -29,7 +29,7 @@ from mmkv.outputs import TokenLogprob
 from mmkv.sampler import sample, token_logprob
 from mmkv.scheduler import ScheduledBatch
 from mmkv.sequence import Sequence
-from mmkv.structured import apply_masks
+from mmkv.structured import StepMasks
 from mmkv.step_context import AttentionBackend, StepContext
 from speculative.config import SpeculativeConfig
 from speculative.proposers import DraftModelSpeculator, EarlyExitSpeculator, Speculator
@@ -152,9 +152,15 @@ class ModelRunner:
     def _run_plain(self, seqs: list[Sequence], q_lens: list[int], result: StepResult) -> None:
         """Compute the scheduled tokens and sample where a sequence's last token was computed.
         When the batch raises, each request runs alone and one that raises alone has failed."""
+        # the masks of the sequences that sample now, filled while the forward pass runs
+        samples = [i for i, (s, q) in enumerate(zip(seqs, q_lens)) if s.num_computed + q == len(s.token_ids)]
+        constrained = [i for i in samples if seqs[i].params.constrained]
+        masks = StepMasks([seqs[i].constraint for i in constrained]) if constrained else None
         try:
             logits, sampling = self._forward_plain(seqs, q_lens)
         except Exception as err:
+            if masks is not None:
+                masks.cancel()
             groups: dict[int, list[int]] = {}
             for i, s in enumerate(seqs):
                 groups.setdefault(s.request_id, []).append(i)
@@ -166,11 +172,10 @@ class ModelRunner:
             return
         result.computed.extend(zip(seqs, q_lens))
         chosen = [seqs[i] for i in sampling]
-        constrained = [row for row, s in enumerate(chosen) if s.params.constrained]
-        if constrained:  # logit biases and grammar masks, every constrained row at once
+        if masks is not None:  # logit biases and grammar masks, every constrained row at once
             with torch.inference_mode():  # the logits are the forward's inference tensor
-                apply_masks(logits, constrained, [chosen[r].constraint for r in constrained],
-                            [chosen[r].params.logit_bias for r in constrained])
+                masks.apply(logits, [sampling.index(i) for i in constrained],
+                            [seqs[i].params.logit_bias for i in constrained])
         greedy = _greedy_tokens(chosen, logits)
         for row, seq in enumerate(chosen):
             try:

@@ -62,8 +62,8 @@ class SamplingParams:
     ``seed`` makes sampling reproducible whatever else is in the batch.
     ``logprobs``: None, or return each generated token's log-probability with that many of the
     most likely alternatives (0 to ``MAX_LOGPROBS``); such a request decodes without speculation.
-    ``structured``: a ``StructuredOutput`` the output must match (``mmkv.structured``); a request
-    with it decodes without speculation. ``logit_bias``: token id -> a value in [-100, 100] added
+    ``structured``: a ``StructuredOutput`` the output must match (``mmkv.structured``).
+    ``logit_bias``: token id -> a value in [-100, 100] added
     to that token's logit before any sampling filter (and before the structured output's mask).
     """
 

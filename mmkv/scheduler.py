@@ -244,8 +244,7 @@ class Scheduler:
             return batch
         seqs, q_lens, candidates = [], [], []
         for seq, q in zip(batch.seqs, batch.q_lens):
-            if (q == 1 and seq.num_pending == 1 and seq.params.n == 1 and seq.params.logprobs is None
-                    and not seq.params.constrained):
+            if q == 1 and seq.num_pending == 1 and seq.params.n == 1 and seq.params.logprobs is None:
                 candidates.append(seq)
             else:
                 seqs.append(seq)

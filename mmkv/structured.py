@@ -13,8 +13,9 @@ matcher per sequence, and applies the masks.
   the engine's), keeping compiled grammars by their spec; a spec llguidance refuses raises
   ``ValueError`` naming the problem.
 * ``Constraint`` is one sequence's matcher: it accepts the tokens the sequence appends.
-  ``apply_masks`` fills every constrained row's mask (in parallel, off the GIL) and applies them
-  and ``logit_bias`` to the step's logits in one batched operation, before any sampling filter.
+  ``StepMasks`` fills the step's masks while the forward pass runs (off the GIL, on a thread of
+  its own) and applies them and ``logit_bias`` to the step's logits in one batched operation,
+  before any sampling filter; ``apply_draft_masks`` does it for a speculative round's rows.
 
 Invariant: a constrained sequence only ever appends tokens its matcher accepts (its mask allows no
 other), and its end-of-sequence token only where the grammar may end; it finishes when the grammar
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -56,7 +58,6 @@ class GrammarCache:
             self.tokenizer = llguidance.LLTokenizer(
                 llguidance.TokenizerWrapper(_DecodedVocabulary(tokenizer, vocab_size, eos[0])),
                 n_vocab=vocab_size, eos_token=eos)
-        self.executor = llguidance.LLExecutor()
         self._grammars: OrderedDict[tuple, str] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -98,6 +99,10 @@ class GrammarCache:
         if error and not error.startswith("WARNING"):
             raise ValueError(f"invalid {kind}: {_first_line(error)}")
         return grammar
+
+    def bitmask(self, rows: int) -> torch.Tensor:
+        """An empty mask of ``rows`` rows (int32, 32 tokens a word)."""
+        return torch.zeros((rows, -(-self.vocab_size // 32)), dtype=torch.int32)
 
     def constraint(self, grammar: str) -> Constraint:
         """A fresh matcher of a compiled ``grammar``."""
@@ -141,29 +146,97 @@ class _DecodedVocabulary:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], constraints: list[Constraint | None],
-                biases: list[dict[int, float] | None]) -> None:
-    """In place, for each ``rows[i]`` of ``logits [rows, vocab]``: add ``biases[i]`` and set every
-    token its constraint does not allow to ``-inf``, all rows at once."""
-    if any(biases):
-        index = [(row, token, value) for row, bias in zip(rows, biases) if bias for token, value in bias.items()]
+class StepMasks:
+    """The masks of a step's constrained sequences, filled on a thread of their own while the
+    forward pass runs (llguidance computes a mask without the GIL); ``apply`` waits for them.
+    The matchers are not touched by anything else until the step's tokens are appended."""
+
+    def __init__(self, constraints: list[Constraint | None]) -> None:
+        self.constraints = constraints
+        live = [c for c in constraints if c is not None]
+        self._filled = _FILLER.submit(_fill, live) if live else None
+
+    def apply(self, logits: torch.Tensor, rows: list[int], biases: list[dict[int, float] | None]) -> None:
+        """In place, for each ``rows[i]`` of ``logits [rows, vocab]`` (the constraints' order): add
+        ``biases[i]`` and set every token its constraint does not allow next to ``-inf``, all rows
+        at once."""
+        _add_biases(logits, rows, biases)
+        if self._filled is not None:
+            _mask_rows(logits, [r for r, c in zip(rows, self.constraints) if c is not None],
+                       self._filled.result())
+
+    def cancel(self) -> None:
+        """Wait for the filling to end without applying it (the forward pass failed)."""
+        if self._filled is not None:
+            self._filled.exception()
+
+
+def _fill(constraints: list[Constraint]) -> torch.Tensor:
+    grammars = constraints[0].grammars
+    bitmask = grammars.bitmask(len(constraints))
+    fill = grammars.llguidance.torch.fill_next_token_bitmask
+    for i, constraint in enumerate(constraints):
+        fill(constraint.matcher, bitmask, i)
+    return bitmask
+
+
+_FILLER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmkv-masks")
+
+
+def apply_draft_masks(logits: torch.Tensor, start: int, constraint: Constraint | None,
+                      bias: dict[int, float] | None, drafts: list[int]) -> None:
+    """In place, for a speculative round's rows ``start .. start + len(drafts)`` of ``logits``
+    (row ``j`` predicts the token after the ``j``-th draft): add ``bias`` to each, and mask each
+    with what the grammar allows after the drafts before it. Past a draft the grammar refuses,
+    rows allow everything: verification rejects that draft (its row's mask forbids it), so no
+    later row is read. The matcher ends where it began."""
+    rows = list(range(start, start + len(drafts) + 1))
+    _add_biases(logits, rows, [bias] * len(rows))
+    if constraint is None:
+        return
+    grammars, matcher = constraint.grammars, constraint.matcher
+    bitmask = grammars.bitmask(len(rows))
+    consumed = 0
+    for j in range(len(rows)):
+        grammars.llguidance.torch.fill_next_token_bitmask(matcher, bitmask, j)
+        if j == len(drafts):
+            break
+        token = drafts[j]  # consumed only if allowed: a refused token would leave the matcher in error
+        if not (int(bitmask[j, token // 32]) >> (token % 32)) & 1 or not matcher.consume_token(token):
+            bitmask[j + 1:] = -1  # every bit set
+            break
+        consumed += 1
+    if consumed and not matcher.rollback(consumed):
+        raise RuntimeError("the grammar matcher could not roll back a round's drafts")
+    _mask_rows(logits, rows, bitmask)
+
+
+def _add_biases(logits: torch.Tensor, rows: list[int], biases: list[dict[int, float] | None]) -> None:
+    index = [(row, token, value) for row, bias in zip(rows, biases) if bias for token, value in bias.items()]
+    if index:
         r, t, v = zip(*index)
         logits.index_put_((torch.tensor(r), torch.tensor(t)),
                           torch.tensor(v, dtype=logits.dtype, device=logits.device), accumulate=True)
-    masked = [(row, c) for row, c in zip(rows, constraints) if c is not None]
-    if not masked:
-        return
-    grammars = masked[0][1].grammars
+
+
+def _mask_rows(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """``-inf`` at every token a row's bits (32 tokens a word, lowest bit first) leave out;
+    tokens past the grammar's vocabulary are never allowed."""
     vocab = logits.shape[-1]
-    bitmask = torch.zeros((len(masked), -(-grammars.vocab_size // 32)), dtype=torch.int32)
-    grammars.llguidance.torch.fill_next_token_bitmask_par(
-        grammars.executor, [(c.matcher, i) for i, (_, c) in enumerate(masked)], bitmask)
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().view(len(masked), -1)[:, :vocab]
-    if allowed.shape[1] < vocab:  # logits past the tokenizer's vocabulary: never allowed
-        allowed = torch.cat([allowed, allowed.new_zeros(len(masked), vocab - allowed.shape[1])], 1)
-    target = torch.tensor([row for row, _ in masked], device=logits.device)
-    logits[target] = logits[target].masked_fill(~allowed.to(logits.device), float("-inf"))
+    allowed = (bitmask.unsqueeze(-1) >> _BITS).bitwise_and_(1).view(len(rows), -1)
+    if allowed.shape[1] >= vocab:
+        allowed = allowed[:, :vocab]
+    else:
+        allowed = torch.cat([allowed, allowed.new_zeros(len(rows), vocab - allowed.shape[1])], 1)
+    blocked = (allowed == 0).to(logits.device)
+    if rows == list(range(rows[0], rows[0] + len(rows))):  # consecutive rows: a view, in place
+        logits[rows[0]:rows[0] + len(rows)].masked_fill_(blocked, float("-inf"))
+    else:
+        target = torch.tensor(rows, device=logits.device)
+        logits.index_copy_(0, target, logits.index_select(0, target).masked_fill_(blocked, float("-inf")))
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def _first_line(err: BaseException | str) -> str:

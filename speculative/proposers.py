@@ -51,6 +51,7 @@ from mmkv.attention.metadata import next_position
 from mmkv.host_arrays import longs
 from mmkv.models.packed_linear import kernel_builds
 from mmkv.sampler import filtered_probs, top_tokens
+from mmkv.structured import apply_draft_masks
 from mmkv.step_context import StepContext
 from speculative.acceptance import DraftHistory
 from speculative.config import SpeculativeConfig
@@ -226,6 +227,12 @@ class Speculator(ABC):
                          start)
         start = self.started()
         logits = self._verify_logits(seqs, gammas, drafts, lens)
+        row = 0
+        for seq, g, d in zip(seqs, gammas, drafts):  # structured outputs and logit biases
+            if seq.params.constrained:
+                with torch.inference_mode():  # the logits are the forward's inference tensor
+                    apply_draft_masks(logits, row, seq.constraint, seq.params.logit_bias, d)
+            row += g + 1
         best = top_tokens(logits)[0]  # the greedy sequences' verdicts read one argmax
         verdicts, row = [], 0
         for seq, g, d, q in zip(seqs, gammas, drafts, draft_probs):

@@ -127,16 +127,23 @@ class LlamaCpp:
             L.llama_memory_seq_cp(memory, 0, s, -1, -1)
         n = len(prefix)
         items = [(t, n + i, s, i == len(suf) - 1) for s, suf in enumerate(suffixes) for i, t in enumerate(suf)]
-        logits = self._decode(items)
-        positions = [n + len(suf) for suf in suffixes]
-        outs: list[list[int]] = [[] for _ in suffixes]
+        return self._greedy(self._decode(items), [n + len(suf) for suf in suffixes],
+                            list(range(len(suffixes))), new_tokens)
+
+    def _greedy(self, logits: list[np.ndarray], positions: list[int], seqs: list[int],
+                new_tokens: int) -> list[list[int]]:
+        """``new_tokens`` greedy tokens for each of ``seqs``, decoded together a step at a time,
+        from the logits of their last prompt token; ``positions``: where each one's first new
+        token goes."""
+        outs: list[list[int]] = [[] for _ in seqs]
         for step in range(new_tokens):
             tokens = [int(row.argmax()) for row in logits]
             for o, t in zip(outs, tokens):
                 o.append(t)
             if step == new_tokens - 1:
                 break
-            logits = self._decode([(t, positions[s] + step, s, True) for s, t in enumerate(tokens)])
+            logits = self._decode([(t, position + step, seq, True)
+                                   for seq, position, t in zip(seqs, positions, tokens)])
         return outs
 
     def serve_slots(self, batches: list[list[list[int]]], new_tokens: int) -> tuple[list[list[int]], int]:
@@ -172,16 +179,8 @@ class LlamaCpp:
                 used[slot] = clock
             items = [(t, pos, slot, pos == len(prompt) - 1) for (slot, keep), prompt in zip(chosen, prompts)
                      for pos, t in enumerate(prompt) if pos >= keep]
-            logits = self._decode(items)
-            outs: list[list[int]] = [[] for _ in prompts]
-            for step in range(new_tokens):
-                tokens = [int(row.argmax()) for row in logits]
-                for o, t in zip(outs, tokens):
-                    o.append(t)
-                if step == new_tokens - 1:
-                    break
-                logits = self._decode([(t, len(prompt) + step, slot, True)
-                                       for (slot, _), prompt, t in zip(chosen, prompts, tokens)])
+            outs = self._greedy(self._decode(items), [len(p) for p in prompts],
+                                [slot for slot, _ in chosen], new_tokens)
             for (slot, _), prompt, out in zip(chosen, prompts, outs):
                 slots[slot] = prompt + out[:-1]  # the last answer token was never decoded
             answers += outs

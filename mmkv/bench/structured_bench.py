@@ -6,8 +6,9 @@ tokens each, constrained by a schema of four fields (a bounded string, a bounded
 array, a boolean), and free, each request made to generate as many tokens as its constrained
 answer had (so both make the same tokens from the same prompts). Per batch size: generated tokens per second of each (the
 fastest of ``--repeats`` runs on fresh engines), their ratio
-(``schema_vs_free_tokens_per_s_b1`` / ``_b32``), and the microseconds the masks took per
-constrained token (filling and applying them, ``mask_us_per_token_b1`` / ``_b32``).
+(``schema_vs_free_tokens_per_s_b1`` / ``_b32``), and the microseconds per constrained token a
+step waited for its masks, which fill while its forward pass runs, and applied them
+(``mask_us_per_token_b1`` / ``_b32``).
 ``all_outputs_valid``: every constrained output parses as JSON and validates against the schema.
 
 ``--libraries`` also times the two grammar libraries alone (llguidance, mmkv's, and xgrammar, when
@@ -27,7 +28,7 @@ import tempfile
 import time
 
 from mmkv import Engine, SamplingParams, StructuredOutput
-from mmkv import runner as runner_module
+from mmkv.structured import StepMasks
 from mmkv.bench import gc_paused
 from mmkv.bundled import BUNDLED_MODEL
 from mmkv.synthetic import document_prompt, random_report
@@ -55,22 +56,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class _MaskClock:
-    """Times every ``apply_masks`` call of the runner while it is installed."""
+    """Times every ``StepMasks.apply`` while it is installed: what a step waits for its masks
+    (filled while its forward pass runs) and spends applying them."""
 
     def __init__(self) -> None:
-        self.seconds, self.original = 0.0, runner_module.apply_masks
-
-    def __call__(self, logits, rows, constraints, biases) -> None:
-        start = time.perf_counter()
-        self.original(logits, rows, constraints, biases)
-        self.seconds += time.perf_counter() - start
+        self.seconds, self.original = 0.0, StepMasks.apply
 
     def __enter__(self) -> _MaskClock:
-        runner_module.apply_masks = self
+        clock, original = self, self.original
+
+        def timed(masks, logits, rows, biases) -> None:
+            start = time.perf_counter()
+            original(masks, logits, rows, biases)
+            clock.seconds += time.perf_counter() - start
+
+        StepMasks.apply = timed
         return self
 
     def __exit__(self, *exc) -> None:
-        runner_module.apply_masks = self.original
+        StepMasks.apply = self.original
 
 
 def _serve(prompts: list[str], batch: int, params: list[SamplingParams]) -> tuple[list, float, float]:
@@ -132,18 +136,109 @@ def libraries(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizers = {"bundled": AutoTokenizer.from_pretrained(BUNDLED_MODEL), "bpe32k": _bpe32k(tmp)}
         for name, tokenizer in tokenizers.items():
-            for library in ("llguidance", "xgrammar"):
+            for library, adapter in (("llguidance", _LLGuidance), ("xgrammar", _XGrammar)):
                 try:
-                    walk = _LIBRARIES[library](tokenizer, len(tokenizer))
+                    lib = adapter(tokenizer, len(tokenizer))
                 except ImportError:
                     out[f"{library}_{name}"] = "not installed (make bench-peers)"
                     continue
-                out[f"{library}_{name}"] = {f"fill_us_per_token_b{b}": round(walk(b, 40, random.Random(b))[0], 1)
-                                            for b in (1, 32)}
-                compile_s, control = walk(1, 0, None)[1:]
-                out[f"{library}_{name}"].update(compile_seconds=round(compile_s, 4),
-                                                 control_characters_in_strings=control)
+                out[f"{library}_{name}"] = {
+                    **{f"fill_us_per_token_b{b}": round(_walk(lib, b, 40, random.Random(b)), 1) for b in (1, 32)},
+                    "compile_seconds": round(lib.compile_seconds, 4),
+                    "control_characters_in_strings": _admits_control_characters(lib, tokenizer)}
     return out
+
+
+class _LLGuidance:
+    """llguidance behind the few calls the timings make."""
+
+    string_start = '{"mayor":"ab'  # its compact JSON: no space after the colon
+
+    def __init__(self, tokenizer, vocab: int) -> None:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+
+        self.llg, self.vocab = llguidance, vocab
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, vocab)
+        start = time.perf_counter()
+        self.grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
+        llguidance.LLMatcher(self.tokenizer, self.grammar).compute_bitmask()
+        self.compile_seconds = time.perf_counter() - start
+
+    def matcher(self):
+        return self.llg.LLMatcher(self.tokenizer, self.grammar)
+
+    def bitmask(self, rows: int):
+        return self.llg.torch.allocate_token_bitmask(rows, self.vocab)
+
+    def fill(self, matcher, bitmask, row: int) -> None:
+        self.llg.torch.fill_next_token_bitmask(matcher, bitmask, row)
+
+    def accept(self, matcher, token: int) -> bool:
+        return matcher.consume_token(token)
+
+    def done(self, matcher) -> bool:
+        return matcher.is_stopped()
+
+
+class _XGrammar:
+    """xgrammar behind the same calls."""
+
+    string_start = '{"mayor": "ab'  # its JSON without free whitespace still puts a space there
+
+    def __init__(self, tokenizer, vocab: int) -> None:
+        import xgrammar
+
+        self.xgr, self.vocab = xgrammar, vocab
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+        start = time.perf_counter()
+        self.compiled = xgrammar.GrammarCompiler(info, cache_enabled=False).compile_json_schema(
+            json.dumps(SCHEMA), any_whitespace=False)
+        self.compile_seconds = time.perf_counter() - start
+
+    def matcher(self):
+        return self.xgr.GrammarMatcher(self.compiled)
+
+    def bitmask(self, rows: int):
+        return self.xgr.allocate_token_bitmask(rows, self.vocab)
+
+    def fill(self, matcher, bitmask, row: int) -> None:
+        matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, matcher, token: int) -> bool:
+        return matcher.accept_token(token)
+
+    def done(self, matcher) -> bool:
+        return matcher.is_terminated()
+
+
+def _walk(lib, batch: int, steps: int, rng: random.Random) -> float:
+    """Microseconds per mask fill over ``steps`` steps of ``batch`` random walks through the grammar."""
+    matchers = [lib.matcher() for _ in range(batch)]
+    bitmask, seconds = lib.bitmask(batch), 0.0
+    for _ in range(steps):
+        start = time.perf_counter()
+        for i, m in enumerate(matchers):
+            if not lib.done(m):
+                lib.fill(m, bitmask, i)
+        seconds += time.perf_counter() - start
+        for i, m in enumerate(matchers):
+            if not lib.done(m):
+                lib.accept(m, rng.choice(_allowed_tokens(bitmask[i], lib.vocab)))
+    return 1e6 * seconds / (steps * batch)
+
+
+def _admits_control_characters(lib, tokenizer) -> bool:
+    """Inside the mayor's string, may a token holding a byte below 0x20 come next?"""
+    matcher = lib.matcher()
+    for token in tokenizer.encode(lib.string_start, add_special_tokens=False):
+        if not lib.accept(matcher, token):
+            raise RuntimeError(f"{type(lib).__name__} refused {lib.string_start!r}")
+    bitmask = lib.bitmask(1)
+    lib.fill(matcher, bitmask, 0)
+    allowed = set(_allowed_tokens(bitmask[0], lib.vocab))
+    return any(any(ord(c) < 32 for c in tokenizer.decode([t])) for t in allowed)
 
 
 def _bpe32k(directory: str):
@@ -163,84 +258,6 @@ def _bpe32k(directory: str):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
 
 
-def _control_tokens(tokenizer, vocab: int) -> set[int]:
-    return {i for i in range(vocab) if any(ord(c) < 32 for c in tokenizer.decode([i]))}
-
-
-def _llguidance(tokenizer, vocab: int):
-    import llguidance
-    import llguidance.hf
-    import llguidance.torch as lt
-
-    lltok = llguidance.hf.from_tokenizer(tokenizer, vocab)
-    start = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
-    llguidance.LLMatcher(lltok, grammar).compute_bitmask()
-    compile_s = time.perf_counter() - start
-    control = _control_tokens(tokenizer, vocab)
-
-    def walk(batch: int, steps: int, rng: random.Random | None):
-        matchers = [llguidance.LLMatcher(lltok, grammar) for _ in range(batch)]
-        if rng is None:  # inside the mayor's string: may a control character come next?
-            m = matchers[0]
-            for t in tokenizer.encode('{"mayor":"ab', add_special_tokens=False):
-                m.consume_token(t)
-            mask = lt.allocate_token_bitmask(1, vocab)
-            lt.fill_next_token_bitmask(m, mask, 0)
-            return 0.0, compile_s, any(_allowed(mask[0], t) for t in control)
-        mask, seconds = lt.allocate_token_bitmask(batch, vocab), 0.0
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            for i, m in enumerate(matchers):
-                if not m.is_stopped():
-                    lt.fill_next_token_bitmask(m, mask, i)
-            seconds += time.perf_counter() - t0
-            for i, m in enumerate(matchers):
-                if not m.is_stopped():
-                    m.consume_token(rng.choice(_allowed_tokens(mask[i], vocab)))
-        return 1e6 * seconds / (steps * batch), compile_s, None
-
-    return walk
-
-
-def _xgrammar(tokenizer, vocab: int):
-    import xgrammar as xgr
-
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
-    start = time.perf_counter()
-    compiled = xgr.GrammarCompiler(info, cache_enabled=False).compile_json_schema(json.dumps(SCHEMA),
-                                                                                  any_whitespace=False)
-    compile_s = time.perf_counter() - start
-    control = _control_tokens(tokenizer, vocab)
-
-    def walk(batch: int, steps: int, rng: random.Random | None):
-        matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
-        if rng is None:
-            m = matchers[0]
-            for t in tokenizer.encode('{"mayor": "ab', add_special_tokens=False):
-                m.accept_token(t)
-            mask = xgr.allocate_token_bitmask(1, vocab)
-            m.fill_next_token_bitmask(mask, 0)
-            return 0.0, compile_s, any(_allowed(mask[0], t) for t in control)
-        mask, seconds = xgr.allocate_token_bitmask(batch, vocab), 0.0
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            for i, m in enumerate(matchers):
-                if not m.is_terminated():
-                    m.fill_next_token_bitmask(mask, i)
-            seconds += time.perf_counter() - t0
-            for i, m in enumerate(matchers):
-                if not m.is_terminated():
-                    m.accept_token(rng.choice(_allowed_tokens(mask[i], vocab)))
-        return 1e6 * seconds / (steps * batch), compile_s, None
-
-    return walk
-
-
-def _allowed(row, token: int) -> bool:
-    return bool((int(row[token // 32]) >> (token % 32)) & 1)
-
-
 def _allowed_tokens(row, vocab: int) -> list[int]:
     import torch
 
@@ -248,4 +265,3 @@ def _allowed_tokens(row, vocab: int) -> list[int]:
     return bits.nonzero().flatten().tolist()
 
 
-_LIBRARIES = {"llguidance": _llguidance, "xgrammar": _xgrammar}
