@@ -362,7 +362,8 @@ class Engine:
             "peak_kv_bytes": scheduler["peak_blocks_in_use"] * self.kv.bytes_per_block,
             "block_size": self.kv.block_size,
             **(self.model.vision.stats() if self.model.vision is not None else {}),
-            **({"xattn_blocks_computed": self.image_kv.computed_blocks} if self.image_kv else {}),
+            **({"xattn_blocks_computed": self.image_kv.computed_blocks,
+                "xattn_blocks_reused": self.image_kv.reused_blocks} if self.image_kv else {}),
             **({**self.speculator.summary(),
                 "spec_calibration_seconds": round(self.calibration_seconds, 4)}
                if self.speculator else {}),

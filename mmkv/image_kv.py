@@ -29,6 +29,7 @@ class CrossAttentionKV:
         self.backend = backend
         self.shared = shared  # False: every sequence computes its own copy (caching off)
         self.computed_blocks = 0  # blocks whose K/V this engine computed (misses)
+        self.reused_blocks = 0  # blocks a sequence took from the tree (hits)
 
     def _keys(self, image: SeqImage) -> np.ndarray:
         bs = self.kv.block_size
@@ -43,11 +44,13 @@ class CrossAttentionKV:
         """Reference (computing where missing) the K/V of every image of ``seq``; False, holding
         nothing, when the pool cannot take them now."""
         tables: list[BlockTable] = []
+        hits = 0  # whole blocks taken from the tree
         try:
             for image in seq.images:
                 keys = self._keys(image)
                 table = self.kv.acquire_prefix(keys, self._namespace(seq))
                 tables.append(table)
+                hits += table.num_tokens // self.kv.block_size
                 missing = keys.shape[0] - table.num_tokens
                 if missing and self.kv.blocks_needed(table, missing) > self.kv.num_available():
                     self._free(tables)
@@ -62,6 +65,7 @@ class CrossAttentionKV:
             self._free(tables)
             raise
         seq.image_tables = tables
+        self.reused_blocks += hits
         return True
 
     def _free(self, tables: list[BlockTable]) -> None:

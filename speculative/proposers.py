@@ -230,8 +230,7 @@ class Speculator(ABC):
         row = 0
         for seq, g, d in zip(seqs, gammas, drafts):  # structured outputs and logit biases
             if seq.params.constrained:
-                with torch.inference_mode():  # the logits are the forward's inference tensor
-                    apply_draft_masks(logits, row, seq.constraint, seq.params.logit_bias, d)
+                apply_draft_masks(logits, row, seq.constraint, seq.params.logit_bias, d)
             row += g + 1
         best = top_tokens(logits)[0]  # the greedy sequences' verdicts read one argmax
         verdicts, row = [], 0

@@ -62,7 +62,10 @@ def test_models_health_and_metric_names(served):
                  "mmkv_generation_tokens_total", "mmkv_encoder_calls_total", "mmkv_preemptions_total",
                  "mmkv_preemptions_swap_total", "mmkv_preemptions_recompute_total",
                  "mmkv_recomputed_tokens_total", "mmkv_swapped_bytes_total",
-                 "mmkv_max_preemptions_per_request",
+                 "mmkv_max_preemptions_per_request", "mmkv_evictions_total",
+                 "mmkv_spec_drafted_tokens_total", "mmkv_spec_accepted_tokens_total",
+                 "mmkv_xattn_blocks_computed_total", "mmkv_xattn_blocks_reused_total",
+                 "mmkv_kv_usage_fraction", "mmkv_prefix_cache_hit_rate",
                  "mmkv_time_to_first_token_seconds_count", "mmkv_request_latency_seconds_count"):
         assert name in names, name
 
@@ -78,6 +81,35 @@ def test_preemption_metrics_sum_counts_and_take_the_largest_maximum():
     assert float(values["mmkv_preemptions_total"]) == 7 and float(values["mmkv_preemptions_swap_total"]) == 2
     assert float(values["mmkv_recomputed_tokens_total"]) == 48
     assert float(values["mmkv_max_preemptions_per_request"]) == 3
+
+
+def test_ratios_are_taken_over_every_replicas_sums():
+    """Two replicas: the KV usage fraction is blocks in use over blocks in both pools, the hit
+    rate cached prompt tokens over prompt tokens, not a sum or mean of each replica's ratio."""
+    text = ServerMetrics().render({
+        "a": {"blocks_in_use": 10, "blocks_total": 100, "cached_prompt_tokens": 30, "prompt_tokens": 40},
+        "b": {"blocks_in_use": 30, "blocks_total": 300, "cached_prompt_tokens": 0, "prompt_tokens": 60}}).decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("mmkv_") and "{" not in line)
+    assert float(values["mmkv_kv_usage_fraction"]) == pytest.approx(0.1)
+    assert float(values["mmkv_prefix_cache_hit_rate"]) == pytest.approx(0.3)
+
+
+def test_stats_endpoint_is_the_engines_and_shows_image_reuse(served):
+    """``GET /v1/stats`` is the engine's ``stats()``: after the same image asked about twice, its
+    cross-attention K/V blocks were computed once and reused once, and /metrics says the same."""
+    scene_url = png_data_url(scenes_and_reports(11, 1, 0)[0][0].render())
+    before = httpx.get(f"{served.url}/v1/stats").json()["replicas"]["0"]
+    for question in ("how many shapes?", "what colour is the circle?"):
+        chat = client(served).chat.completions.create(model=MODEL_NAME, max_tokens=3, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": scene_url}},
+                                         {"type": "text", "text": question}]}])
+        assert chat.choices
+    after = httpx.get(f"{served.url}/v1/stats").json()["replicas"]["0"]
+    computed = after["xattn_blocks_computed"] - before["xattn_blocks_computed"]
+    reused = after["xattn_blocks_reused"] - before["xattn_blocks_reused"]
+    assert computed > 0 and reused == computed
+    assert after["encoder_calls"] - before["encoder_calls"] == 1
+    assert served.metrics()["mmkv_xattn_blocks_reused_total"] == after["xattn_blocks_reused"]
 
 
 def test_concurrent_chat_and_completions_equal_the_offline_engine(served, offline):
@@ -361,7 +393,8 @@ def test_api_key_guards_every_route_but_health():
     running = start_server(bundled_engine(kv_cache_memory="4MiB"), api_key="sesame")
     try:
         assert httpx.get(f"{running.url}/health").status_code == 200
-        for method, path in (("GET", "/metrics"), ("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL_NAME}"),
+        for method, path in (("GET", "/metrics"), ("GET", "/v1/stats"), ("GET", "/v1/models"),
+                             ("GET", f"/v1/models/{MODEL_NAME}"),
                              ("POST", "/v1/completions"), ("POST", CHAT), ("GET", "/nowhere")):
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
                 r = httpx.request(method, f"{running.url}{path}", headers=headers)

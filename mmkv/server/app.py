@@ -110,6 +110,11 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
     async def prometheus() -> Response:
         return Response(metrics.render(await front.replica_stats()), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/stats")
+    async def stats() -> dict[str, Any]:
+        """Every replica's ``Engine.stats()`` (one replica: ``engine``), behind the API key."""
+        return {"replicas": await front.replica_stats()}
+
     def model_card() -> dict[str, Any]:
         return {"id": settings.served_model_name, "object": "model", "created": 0,
                 "owned_by": "mmkv", "max_model_len": front.max_model_len}

@@ -39,6 +39,17 @@ COUNTERS = {  # metric (without _total): (help, stats keys summed)
                                    ("preemptions_recompute",)),
     "mmkv_recomputed_tokens": ("Tokens computed again after a preemption", ("recomputed_tokens",)),
     "mmkv_swapped_bytes": ("Bytes of K/V swapped to the host tier", ("swapped_bytes",)),
+    "mmkv_evictions": ("Cached KV blocks evicted", ("evictions",)),
+    "mmkv_spec_drafted_tokens": ("Draft tokens proposed by speculative decoding", ("spec_drafted_tokens",)),
+    "mmkv_spec_accepted_tokens": ("Draft tokens the target accepted", ("spec_accepted_tokens",)),
+    "mmkv_xattn_blocks_computed": ("Image cross-attention KV blocks computed", ("xattn_blocks_computed",)),
+    "mmkv_xattn_blocks_reused": ("Image cross-attention KV blocks taken from the cache", ("xattn_blocks_reused",)),
+}
+RATIOS = {  # metric: (help, numerator key, denominator key), over every replica's sums
+    "mmkv_kv_usage_fraction": ("Share of the device KV pool's blocks referenced by requests",
+                               "blocks_in_use", "blocks_total"),
+    "mmkv_prefix_cache_hit_rate": ("Share of submitted prompt tokens served from the radix tree",
+                                   "cached_prompt_tokens", "prompt_tokens"),
 }
 MAXIMA = {  # metric: (help, stats key), the largest over replicas
     "mmkv_max_preemptions_per_request": ("The most times one request was preempted",
@@ -64,6 +75,10 @@ class _EngineStats(Collector):
         for name, (text, key) in MAXIMA.items():
             yield GaugeMetricFamily(name, text, value=max((s.get(key, 0) for s in replicas.values()),
                                                           default=0))
+        for name, (text, top, bottom) in RATIOS.items():
+            total = sum(s.get(bottom, 0) for s in replicas.values())
+            yield GaugeMetricFamily(name, text, value=sum(s.get(top, 0) for s in replicas.values()) / total
+                                    if total else 0.0)
         if len(replicas) < 2:
             return
         for name, (text, key) in GAUGES.items():
