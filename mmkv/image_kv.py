@@ -58,7 +58,10 @@ class CrossAttentionKV:
                 if missing:
                     start = table.num_tokens
                     self.kv.append_slots(table, missing)
+                    calls = self.model.vision.encoder.calls
                     self._write(image, table, start)
+                    seq.reuse.images_encoded += self.model.vision.encoder.calls - calls
+                    seq.reuse.xattn_blocks_computed += len(table.blocks) - start // self.kv.block_size
                     cost = self.model.image_rebuild_flops(image.placement) / len(table.blocks)
                     self.kv.cache_prefix(table, keys, self._namespace(seq), cost)
         except BaseException:  # the encoder raised: hold nothing

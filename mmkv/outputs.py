@@ -45,6 +45,23 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class Reuse:
+    """What a request's prompt took from the caches and what it computed (fixed at its first
+    admission): ``images`` in it, of which the encoder ran for ``images_encoded``; image
+    cross-attention K/V blocks it computed and those it took from the cache; prompt tokens whose
+    K/V it computed (``prompt_tokens_computed``: the prompt less its cached prefix)."""
+
+    images: int = 0
+    images_encoded: int = 0
+    xattn_blocks_computed: int = 0
+    xattn_blocks_reused: int = 0
+    prompt_tokens_computed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """A request's prompt and its ``n`` samples; ``text``/``token_ids``/``finish_reason`` are those
     of the first sample, for the common ``n == 1`` case."""
@@ -55,6 +72,7 @@ class RequestOutput:
     finished: bool
     cached_tokens: int
     error: str | None = None  # set instead of outputs when the request was rejected
+    reuse: Reuse | None = None  # what the prompt took from the caches (None: rejected)
 
     @property
     def text(self) -> str:

@@ -168,8 +168,9 @@ class Postprocessor:
         finished = all(s.status is Status.FINISHED for s in seqs) and len(seqs) == seqs[0].params.n
         if finished:
             self.requests.pop(request_id)
-        return RequestOutput(request_id, seqs[0].token_ids[: seqs[0].prompt_len], outputs, finished,
-                             seqs[0].cached_tokens)
+        first = min(seqs, key=lambda s: s.index)  # the parent: the request's admission
+        return RequestOutput(request_id, first.token_ids[: first.prompt_len], outputs, finished,
+                             first.cached_tokens, reuse=first.reuse)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now: its sequences leave the scheduler and every block they hold

@@ -55,6 +55,7 @@ from mmkv.preemption import POLICIES, CostWeights, rank_victims
 from mmkv.sequence import Sequence, Status
 
 if TYPE_CHECKING:
+    from vision import VisionPipeline
     from mmkv.image_kv import CrossAttentionKV
 
 SWAP_LATENCY = 1e-4  # seconds of fixed cost per swap (allocation, launch, synchronisation)
@@ -162,8 +163,9 @@ class Scheduler:
                  rebuild_flops: Callable[[int, int], float], device_type: str,
                  image_kv: CrossAttentionKV | None = None,
                  draft_lengths: Callable[[list[Sequence]], list[int]] | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, vision: VisionPipeline | None = None) -> None:
         self.kv = kv
+        self.vision = vision  # encodes in-prompt images at admission (``_count_reuse``)
         self.clock = clock or time.monotonic  # seconds, for how long a request has waited
         self.config = config
         self.rebuild_flops = rebuild_flops
@@ -342,6 +344,7 @@ class Scheduler:
             if not seq.admitted:
                 seq.admitted, seq.cached_tokens = True, cached
                 self.cached_prompt_tokens += cached
+                self._count_reuse(seq, cached)
             seq.table, seq.num_computed = table, cached
             seq.num_cached_blocks = cached // self.kv.block_size
             seq.draft_valid = None  # a new table: a draft model reads what its blocks hold
@@ -349,6 +352,22 @@ class Scheduler:
             if self.config.enable_prefix_caching:
                 prefilling.add(seq.keys(), seq.namespace, cached)
             budget -= n
+
+    def _count_reuse(self, seq: Sequence, cached: int) -> None:
+        """At first admission: what the prompt took from the caches (``Sequence.reuse``). An image
+        whose tokens sit in the prompt (LLaVA, Qwen-VL) and are not all cached is encoded now,
+        so whether this request ran the encoder is known exactly, as it is for cross-attention
+        images, whose K/V ``CrossAttentionKV.acquire`` computed or took."""
+        reuse = seq.reuse
+        reuse.images = len(seq.images)
+        reuse.prompt_tokens_computed = len(seq.token_ids) - cached
+        held = sum(len(t.blocks) for t in seq.image_tables)
+        reuse.xattn_blocks_reused = max(0, held - reuse.xattn_blocks_computed)
+        for image in seq.images:
+            if self.vision is not None and image.in_sequence and image.start + image.placement.prompt_tokens > cached:
+                calls = self.vision.encoder.calls
+                self.vision.embeddings(image.image)
+                reuse.images_encoded += self.vision.encoder.calls - calls
 
     def _acquire(self, seq: Sequence) -> BlockTable:
         if not self.config.enable_prefix_caching:

@@ -11,7 +11,7 @@ import torch
 from cache import BlockTable, ImageSpan, SwappedTable, make_keys
 from mmkv.detokenizer import IncrementalText
 from mmkv.models import ImagePlacement, MRopePositions
-from mmkv.outputs import TokenLogprob
+from mmkv.outputs import Reuse, TokenLogprob
 from mmkv.sampling_params import SamplingParams
 from mmkv.structured import Constraint
 from speculative.acceptance import DraftHistory
@@ -77,6 +77,7 @@ class Sequence:
     rope: MRopePositions | None = None  # M-RoPE models: positions fixed at submission
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
     constraint: Constraint | None = None  # its structured output's grammar state, when asked for
+    reuse: Reuse = field(default_factory=Reuse)  # what its prompt took from the caches
     # the speculator's own record of this sequence (the runner's proposers keep them)
     drafting: DraftHistory | None = None  # its drafts' acceptance
     draft_valid: int | None = None  # a draft model's K/V is current below this (None: ask the cache)

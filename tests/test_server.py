@@ -96,14 +96,21 @@ def test_ratios_are_taken_over_every_replicas_sums():
 
 def test_stats_endpoint_is_the_engines_and_shows_image_reuse(served):
     """``GET /v1/stats`` is the engine's ``stats()``: after the same image asked about twice, its
-    cross-attention K/V blocks were computed once and reused once, and /metrics says the same."""
+    cross-attention K/V blocks were computed once and reused once, as each response's
+    ``usage.mmkv`` says, and /metrics says the same."""
     scene_url = png_data_url(scenes_and_reports(11, 1, 0)[0][0].render())
     before = httpx.get(f"{served.url}/v1/stats").json()["replicas"]["0"]
+    usages = []
     for question in ("how many shapes?", "what colour is the circle?"):
         chat = client(served).chat.completions.create(model=MODEL_NAME, max_tokens=3, temperature=0, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": scene_url}},
                                          {"type": "text", "text": question}]}])
-        assert chat.choices
+        usages.append(chat.usage.model_extra["mmkv"])
+    first, second = usages  # the usage extension: what each request computed and reused
+    assert (first["images"], first["images_encoded"], first["xattn_blocks_reused"]) == (1, 1, 0)
+    assert (second["images"], second["images_encoded"], second["xattn_blocks_computed"]) == (1, 0, 0)
+    assert second["xattn_blocks_reused"] == first["xattn_blocks_computed"] > 0
+    assert second["prompt_tokens_computed"] == chat.usage.prompt_tokens - chat.usage.prompt_tokens_details.cached_tokens
     after = httpx.get(f"{served.url}/v1/stats").json()["replicas"]["0"]
     computed = after["xattn_blocks_computed"] - before["xattn_blocks_computed"]
     reused = after["xattn_blocks_reused"] - before["xattn_blocks_reused"]

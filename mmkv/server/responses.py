@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from mmkv import CompletionOutput, RequestOutput
 from mmkv.detokenizer import UNSETTLED
-from mmkv.outputs import TokenLogprob
+from mmkv.outputs import Reuse, TokenLogprob
 
 TokenText = Callable[[int], str]  # a token id's text
 
@@ -29,7 +29,9 @@ def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outputs)}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outputs)},
+            "mmkv": {name: sum(getattr(o.reuse, name) for o in outputs if o.reuse is not None)
+                     for name in Reuse.__slots__}}
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], text: TokenText) -> dict[str, Any]:
