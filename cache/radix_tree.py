@@ -137,6 +137,30 @@ class RadixTree:
         self.metrics.hit_tokens += matched
         return PrefixMatch(blocks, start, partial_block, partial_tokens)
 
+    def cached_length(self, keys: np.ndarray, namespace: bytes = b"") -> int:
+        """How many leading ``keys`` the tree holds now (whole blocks and a partial block, as
+        ``match_prefix`` would match), without counting a use, touching a node or splitting one."""
+        root = self._roots.get(namespace)
+        if root is None:
+            return 0
+        bkeys, bs = block_keys(keys, self.block_size), self.block_size
+        node, i = root, 0
+        while i < len(bkeys):
+            child = self._child(node, bkeys[i])
+            if child is None:
+                break
+            edge, j = child.keys, 1
+            while j < len(edge) and i + j < len(bkeys) and edge[j] == bkeys[i + j]:
+                j += 1
+            i += j
+            if j < len(edge):  # the match ends inside this edge: its next block may share rows
+                tail = np.ascontiguousarray(keys[i * bs:(i + 1) * bs]).tobytes()
+                return i * bs + (common_rows(tail, edge[j]) if tail else 0)
+            node = child
+        tail = np.ascontiguousarray(keys[i * bs:(i + 1) * bs]).tobytes()
+        rows = max((common_rows(tail, c.keys[0]) for c in node.child_nodes()), default=0) if tail else 0
+        return i * bs + rows
+
     def lock(self, blocks: list[int]) -> None:
         """Take one reference on each block so it cannot be evicted."""
         self.pool.incref(blocks)

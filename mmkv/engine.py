@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Literal, Sequence as Seq
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -36,7 +37,7 @@ from mmkv.request_table import RequestTable
 from mmkv.runner import AttentionPlanning, ModelRunner
 from mmkv.sampling_params import SamplingParams
 from mmkv.scheduler import Scheduler, SchedulerConfig
-from mmkv.sequence import Sequence
+from mmkv.sequence import Sequence, prompt_keys
 from mmkv.step_context import AttentionBackend
 from speculative.config import SpeculativeConfig
 from speculative.proposers import Speculator
@@ -157,6 +158,16 @@ class Engine:
         self._prompt_tokens += len(req.token_ids)
         self.scheduler.add(seq)
         return request_id
+
+    def cached_prefix_tokens(self, req: PreparedRequest) -> int:
+        """How many of ``req``'s prompt tokens a request would be served from the cache now: its
+        longest cached prefix (image tokens matching their image), less the last token, which is
+        always computed. Reads the tree without counting a use; on the thread that steps the
+        engine."""
+        if not self.scheduler_config.enable_prefix_caching or not req.token_ids:
+            return 0
+        keys = prompt_keys(np.asarray(req.token_ids, dtype=np.int64), req.images)
+        return min(self.kv.tree.cached_length(keys, req.namespace), len(req.token_ids) - 1)
 
     def render_chat(self, messages: list[dict[str, Any]], label: str = "request") -> list[int]:
         """Token ids of ``messages`` (``{"role", "content"}``; content a string or a list of

@@ -110,7 +110,12 @@ class Sequence:
     def keys(self, n: int | None = None) -> np.ndarray:
         """Radix-tree keys of the first ``n`` tokens (all by default); image tokens carry the
         image's uid and their offset in it."""
-        tokens = self.tokens_array()[:n]
-        spans = [ImageSpan(i.start, min(i.placement.prompt_tokens, len(tokens) - i.start), i.image.uid)
-                 for i in self.images if i.in_sequence and i.start < len(tokens)]
-        return make_keys(tokens, spans)
+        return prompt_keys(self.tokens_array()[:n], self.images)
+
+
+def prompt_keys(tokens: np.ndarray, images: list[SeqImage]) -> np.ndarray:
+    """Radix-tree keys of ``tokens``; the tokens of an image in the prompt carry the image's uid
+    and their offset in it."""
+    spans = [ImageSpan(i.start, min(i.placement.prompt_tokens, len(tokens) - i.start), i.image.uid)
+             for i in images if i.in_sequence and i.start < len(tokens)]
+    return make_keys(tokens, spans)

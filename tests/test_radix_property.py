@@ -133,8 +133,10 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(ns=namespaces, tokens=sequences, hold=st.booleans())
     def match(self, ns, tokens, hold):
+        peeked = self.tree.cached_length(make_keys(tokens), ns)  # read-only: before the match
         m = self.tree.match_prefix(make_keys(tokens), ns)
         hit, partial = self.ref.match(ns, tokens)
+        assert peeked == len(hit) * BS + partial
         assert m.num_tokens == len(hit) * BS == len(m.blocks) * BS
         assert m.partial_tokens == partial
         if hold:

@@ -119,6 +119,37 @@ def test_stats_endpoint_is_the_engines_and_shows_image_reuse(served):
     assert served.metrics()["mmkv_xattn_blocks_reused_total"] == after["xattn_blocks_reused"]
 
 
+def test_tokenize_says_what_the_cache_would_serve(served, offline):
+    """``POST /tokenize``: a report's prompt is the offline engine's tokens; once a request with it
+    ran, the same prompt with another question shows its shared prefix cached (the leading
+    tokens the next request will take from the tree, as its usage then says); chat messages with
+    an image give the image's span; ``/detokenize`` inverts it."""
+    _, [report] = scenes_and_reports(12, 0, 1)
+    first, second = report_prompt(report, REPORT_QUESTIONS[0]), report_prompt(report, REPORT_QUESTIONS[1])
+    cold = httpx.post(f"{served.url}/tokenize", json={"prompt": second}).json()
+    assert cold["tokens"] == offline.tokenizer.encode(second) and cold["count"] == len(cold["tokens"])
+    assert cold["cached_tokens"] == 0 and cold["images"] == []
+    client(served).completions.create(model=MODEL_NAME, prompt=first, max_tokens=2)
+    warm = httpx.post(f"{served.url}/tokenize", json={"model": MODEL_NAME, "prompt": second}).json()
+    shared = next(i for i, (a, b) in enumerate(zip(offline.tokenizer.encode(first), warm["tokens"])) if a != b)
+    assert warm["cached_tokens"] == shared > 0
+    used = client(served).completions.create(model=MODEL_NAME, prompt=second, max_tokens=2).usage
+    assert used.prompt_tokens_details.cached_tokens == warm["cached_tokens"]
+    scene_url = png_data_url(scenes_and_reports(13, 1, 0)[0][0].render())
+    chat = httpx.post(f"{served.url}/tokenize", json={"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": scene_url}},
+                                     {"type": "text", "text": "how many?"}]}]}).json()
+    [span] = chat["images"]
+    assert span["length"] >= 1 and chat["tokens"][span["start"]] == offline.model.image_token_id
+    text = httpx.post(f"{served.url}/detokenize", json={"tokens": cold["tokens"]}).json()["prompt"]
+    assert offline.tokenizer.encode(text) == cold["tokens"]
+    for path, body, message in (("/tokenize", {"prompt": "x", "messages": []}, "exactly one of prompt and messages"),
+                                ("/tokenize", {"model": "other", "prompt": "x"}, "does not exist"),
+                                ("/detokenize", {"tokens": [5, 10**6]}, "tokens holds 1000000")):
+        r = httpx.post(f"{served.url}{path}", json=body)
+        assert r.status_code in (400, 404) and message in r.json()["error"]["message"], r.text
+
+
 def test_concurrent_chat_and_completions_equal_the_offline_engine(served, offline):
     """24 concurrent clients mixing scene chats, report chats and report completions."""
     scenes, reports = scenes_and_reports(1, 3, 3)
@@ -400,7 +431,8 @@ def test_api_key_guards_every_route_but_health():
     running = start_server(bundled_engine(kv_cache_memory="4MiB"), api_key="sesame")
     try:
         assert httpx.get(f"{running.url}/health").status_code == 200
-        for method, path in (("GET", "/metrics"), ("GET", "/v1/stats"), ("GET", "/v1/models"),
+        for method, path in (("GET", "/metrics"), ("GET", "/v1/stats"), ("POST", "/tokenize"),
+                             ("POST", "/detokenize"), ("GET", "/v1/models"),
                              ("GET", f"/v1/models/{MODEL_NAME}"),
                              ("POST", "/v1/completions"), ("POST", CHAT), ("GET", "/nowhere")):
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import ray
 from ray import serve
@@ -25,7 +26,7 @@ from mmkv.distributed.serve_front import ReplicaInfo, ReplicaSetFront
 from mmkv.distributed.stats_board import StatsBoard
 from mmkv.engine_args import engine_from_args
 from mmkv.server.app import build_app
-from mmkv.server.async_engine import AsyncEngine
+from mmkv.server.async_engine import AsyncEngine, Tokenized
 from mmkv.server.settings import settings_from_args
 
 HEARTBEAT_S = 0.25
@@ -60,6 +61,10 @@ class EngineReplica:
         """``AsyncEngine.generate``'s items; ``affinity`` is read by the router only."""
         async for item in self.front.generate(prompts, params, cache_salt, stream, strict_max_tokens):
             yield item
+
+    async def tokenize(self, prompt: Any, cache_salt: str | None, affinity: str | None = None) -> Tokenized:
+        """``AsyncEngine.tokenize``; ``affinity`` is read by the router only."""
+        return await self.front.tokenize(prompt, cache_salt)
 
     def check_health(self) -> None:
         if not self.front.running():

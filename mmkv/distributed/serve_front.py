@@ -23,7 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from mmkv import RequestOutput, SamplingParams
 from mmkv.distributed.affinity import chat_affinity, image_affinity, prefix_affinity
 from mmkv.preparer import longest_token, render_chat
-from mmkv.server.async_engine import Admission, ChatPrompt, Ticket
+from mmkv.server.async_engine import Admission, ChatPrompt, Ticket, Tokenized
 
 STALE_S = 2.0  # a replica silent for this long (8 heartbeats) counts as down
 
@@ -99,6 +99,15 @@ class ReplicaSetFront:
 
     async def replica_stats(self) -> dict[str, dict[str, int]]:
         return await self.board.snapshot.remote(STALE_S)
+
+    async def tokenize(self, prompt: Any, cache_salt: str | None = None) -> Tokenized:
+        """As ``AsyncEngine.tokenize``, on the replica the router picks for the prompt's key: the
+        one whose cache a request with this prompt would reach."""
+        key = await asyncio.to_thread(self.affinity, prompt, cache_salt)
+        try:
+            return await self.handle.tokenize.remote(prompt, cache_salt, affinity=key)
+        except RayTaskError as err:
+            raise err.cause from None
 
     async def healthy(self) -> bool:
         live = await self.replica_stats()

@@ -31,11 +31,11 @@ from starlette.exceptions import HTTPException
 
 from mmkv import RequestOutput, SamplingParams
 from mmkv.server.async_engine import (Admission, ChatPrompt, EngineOverloaded, EngineStopped,
-                                      RequestFailed, Ticket)
+                                      RequestFailed, Ticket, Tokenized)
 from mmkv.server.media import MediaLoader
 from mmkv.server.metrics import ServerMetrics
 from mmkv.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                  parse)
+                                  DetokenizeRequest, TokenizeRequest, parse)
 from mmkv.server.responses import (ChoiceStream, Header, chat_chunk, chat_completion, chat_logprobs,
                                    completion, completion_chunk, completion_logprobs, sse, usage)
 from mmkv.server.settings import ServerSettings
@@ -65,6 +65,7 @@ class Front(Protocol):
                  ) -> AsyncIterator[tuple[int, RequestOutput]]: ...
     async def healthy(self) -> bool: ...
     async def replica_stats(self) -> dict[str, dict[str, int]]: ...
+    async def tokenize(self, prompt: Any, cache_salt: str | None = None) -> Tokenized: ...
 
 
 class _TokenText:
@@ -148,6 +149,38 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
             raise ApiError(400, str(err), param="messages") from None
         return await respond(request, ticket, [ChatPrompt(messages, images)], params, req,
                              Header("chat", req.model), strict=explicit is not None)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's shape: ``{"prompt": text}`` or ``{"messages": [...]}`` (images as chat parts) ->
+        ``tokens``, ``count``, ``max_model_len``, each image's span, and ``cached_tokens``: how
+        many leading tokens the cache would serve a request with this prompt now."""
+        req = await _parse(TokenizeRequest, request, settings)
+        if req.messages is not None:
+            messages, urls = _template_messages(req.messages)
+            if len(urls) > settings.max_images_per_request:
+                raise ApiError(400, f"{len(urls)} images in one request; at most "
+                                    f"{settings.max_images_per_request}", param="messages")
+            prompt: Any = ChatPrompt(messages, await media.load_all(urls))
+        else:
+            prompt = req.prompt
+        try:
+            done = await front.tokenize(prompt, req.cache_salt)
+        except ValueError as err:
+            raise ApiError(400, str(err), param="messages" if req.messages is not None else "prompt") from None
+        return {"tokens": done.token_ids, "count": len(done.token_ids), "max_model_len": front.max_model_len,
+                "images": [{"start": start, "length": length} for start, length in done.images],
+                "cached_tokens": done.cached_tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = await _parse(DetokenizeRequest, request, settings)
+        vocab = len(front.tokenizer)
+        outside = [t for t in req.tokens if not 0 <= t < vocab]
+        if outside:
+            raise ApiError(400, f"tokens holds {outside[0]}; the vocabulary has tokens 0 to {vocab - 1}",
+                           param="tokens")
+        return {"prompt": token_text.tokenizer.decode(req.tokens)}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -333,8 +366,10 @@ def _admit(front: Front, n: int, settings: ServerSettings) -> Ticket:
         raise _api_error(err) from None
 
 
-def _check_model(name: str, settings: ServerSettings) -> None:
-    if name != settings.served_model_name:
+def _check_model(name: str | None, settings: ServerSettings) -> None:
+    """A request naming another model is a 404; one that names none (``/tokenize`` may omit it)
+    is for this one."""
+    if name is not None and name != settings.served_model_name:
         raise ApiError(404, f"model {name!r} does not exist; this server serves "
                             f"{settings.served_model_name!r}", param="model", code="model_not_found")
 

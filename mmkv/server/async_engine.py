@@ -44,6 +44,16 @@ class RequestFailed(Exception):
     """A request raised inside the engine (its own failure; the others run on)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    """A prompt as the engine would run it: ``token_ids``, each image's ``(start, length)`` in
+    them, and ``cached_tokens``: how many leading tokens the cache would serve now."""
+
+    token_ids: list[int]
+    images: list[tuple[int, int]]
+    cached_tokens: int
+
+
 @dataclass(slots=True)
 class ChatPrompt:
     """Chat messages (image parts as ``{"type": "image"}``) and their images' bytes in order,
@@ -197,6 +207,21 @@ class AsyncEngine:
             if done < len(prompts):
                 self._commands.put(("abort", sub))
 
+    async def tokenize(self, prompt: Any, cache_salt: str | None = None) -> Tokenized:
+        """``prompt`` (text, token ids or a ``ChatPrompt``) as the engine would run it: its token
+        ids, each image's span, and how many leading tokens the cache would serve now. The input
+        work runs on an input thread, the cache is read on the engine thread. ``ValueError`` for
+        input the engine refuses."""
+        if self._stopping:
+            raise EngineStopped("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(self._inputs, self._prepare, prompt, SamplingParams(max_tokens=1),
+                                              cache_salt, False, "request")
+        cached = loop.create_future()
+        self._commands.put(("probe", (prepared, cached, loop)))
+        spans = [(image.start, image.placement.prompt_tokens) for image in prepared.images]
+        return Tokenized(prepared.token_ids, spans, await cached)
+
     def _prepare(self, prompt: Any, params: SamplingParams, cache_salt: str | None, strict: bool,
                  label: str) -> PreparedRequest:
         """One prompt's input work, on an input thread."""
@@ -239,6 +264,8 @@ class AsyncEngine:
                     return
                 if name == "submit":
                     self._submit(sub)
+                elif name == "probe":
+                    self._probe(*sub)
                 else:
                     self._abort(sub)
             if self.engine.has_unfinished():
@@ -253,6 +280,17 @@ class AsyncEngine:
         except Exception as err:  # a bug: nothing of it runs
             self._abort(sub)
             self._deliver(sub, [err])
+
+    def _probe(self, prepared: PreparedRequest, answer: asyncio.Future, loop) -> None:
+        try:
+            result = self.engine.cached_prefix_tokens(prepared)
+        except Exception as err:  # a bug: the caller gets it, the engine goes on
+            result = err
+        setter = answer.set_exception if isinstance(result, Exception) else answer.set_result
+        try:
+            loop.call_soon_threadsafe(lambda: answer.done() or setter(result))
+        except RuntimeError:  # that event loop is closed: nobody is waiting any more
+            pass
 
     def _abort(self, sub: _Submission) -> None:
         for request_id in sub.request_ids:

@@ -222,6 +222,31 @@ class CompletionRequest(_Sampling):
         return prompts
 
 
+class TokenizeRequest(_Model):
+    """``POST /tokenize``: a completion's ``prompt`` (text or token ids) or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | list[StrictInt] | None = None
+    messages: list[ChatMessage] | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+
+
+class DetokenizeRequest(_Model):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
+    priority: int = 0
+
+    def check_supported(self) -> None:
+        """Nothing to refuse beyond the fields' types."""
+
+
 def parse(model: type[_Model], body: bytes) -> Any:
     """The request body as ``model``, or an ``ApiError`` 400 naming the bad field."""
     try:
