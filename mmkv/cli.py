@@ -1,4 +1,5 @@
-"""The ``mmkv`` command (also ``python -m mmkv``): ``mmkv serve [MODEL] [options]``, ``mmkv --version``.
+"""The ``mmkv`` command (also ``python -m mmkv``): ``mmkv serve [MODEL] [options]``, ``mmkv run-batch
+-i IN -o OUT [MODEL] [options]``, ``mmkv --version``.
 
 The arguments are parsed before torch, transformers and the server load, so ``--help``,
 ``--version`` and a mistyped flag answer at once; the server's dependencies load only to serve.
@@ -7,10 +8,12 @@ The arguments are parsed before torch, transformers and the server load, so ``--
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from mmkv.engine_args import add_engine_arguments
+from mmkv.engine_args import add_engine_arguments, engine_from_args
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,10 +89,43 @@ def main(argv: list[str] | None = None) -> None:
                                 description="An OpenAI-compatible HTTP server (docs/serving.md).",
                                 formatter_class=DefaultsFormatter)
     add_serve_arguments(serve)
+    batch = commands.add_parser("run-batch", help="an OpenAI batch file (JSON lines) through one engine",
+                                description="Every request of an OpenAI batch file through one engine, "
+                                            "one result line per input line, in order (docs/serving.md).",
+                                formatter_class=DefaultsFormatter)
+    add_batch_arguments(batch)
     args = parser.parse_args(argv)
+    if args.command == "run-batch":
+        run_batch_command(args)
+        return
     from mmkv.server import launch  # torch, transformers and the server load only to serve
 
     launch.run(args)
+
+
+def add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    """``mmkv run-batch``'s flags: input and output files, then the engine's."""
+    p.add_argument("-i", "--input", required=True, help="the batch file (JSON lines); - reads standard input")
+    p.add_argument("-o", "--output", required=True, help="where the results go (JSON lines); - writes "
+                                                        "standard output")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on standard error")
+    add_engine_arguments(p)
+
+
+def run_batch_command(args: argparse.Namespace) -> None:
+    from mmkv.batch_file import run_batch  # torch and the engine load here
+
+    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+    with source:
+        lines = source.readlines()
+    results = run_batch(engine_from_args(args), lines, progress=not args.no_progress)
+    target = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    try:
+        for result in results:
+            target.write(json.dumps(result) + "\n")
+    finally:
+        if target is not sys.stdout:
+            target.close()
 
 
 if __name__ == "__main__":

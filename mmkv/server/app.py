@@ -34,8 +34,8 @@ from mmkv.server.async_engine import (Admission, ChatPrompt, EngineOverloaded, E
                                       RequestFailed, Ticket, Tokenized)
 from mmkv.server.media import MediaLoader
 from mmkv.server.metrics import ServerMetrics
-from mmkv.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                  DetokenizeRequest, TokenizeRequest, parse)
+from mmkv.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
+                                  DetokenizeRequest, TokenizeRequest, parse, template_messages)
 from mmkv.server.responses import (ChoiceStream, Header, chat_chunk, chat_completion, chat_logprobs,
                                    completion, completion_chunk, completion_logprobs, sse, usage)
 from mmkv.server.settings import ServerSettings
@@ -134,7 +134,7 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
         req = await _parse(ChatCompletionRequest, request, settings)
         explicit = req.max_completion_tokens or req.max_tokens
         params = req.sampling_params(explicit or front.max_model_len, req.requested_logprobs())
-        messages, urls = _template_messages(req.messages)
+        messages, urls = template_messages(req.messages)
         if len(urls) > settings.max_images_per_request:
             raise ApiError(400, f"{len(urls)} images in one request; at most "
                                 f"{settings.max_images_per_request}", param="messages")
@@ -157,7 +157,7 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
         many leading tokens the cache would serve a request with this prompt now."""
         req = await _parse(TokenizeRequest, request, settings)
         if req.messages is not None:
-            messages, urls = _template_messages(req.messages)
+            messages, urls = template_messages(req.messages)
             if len(urls) > settings.max_images_per_request:
                 raise ApiError(400, f"{len(urls)} images in one request; at most "
                                     f"{settings.max_images_per_request}", param="messages")
@@ -398,25 +398,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise ApiError(413, f"the body is over the limit of {limit} bytes", code="request_too_large")
     return bytes(body)
-
-
-def _template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[str]]:
-    """Messages as chat templates take them (image parts as ``{"type": "image"}``) and the image
-    URLs in the order their parts appear."""
-    out, urls = [], []
-    for m in messages:
-        if m.content is None or isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content or ""})
-            continue
-        parts = []
-        for part in m.content:
-            if part.type == "text":
-                parts.append({"type": "text", "text": part.text})
-            else:
-                parts.append({"type": "image"})
-                urls.append(part.image_url.url)
-        out.append({"role": m.role, "content": parts})
-    return out, urls
 
 
 class _RequireKey:

@@ -247,6 +247,25 @@ class DetokenizeRequest(_Model):
         """Nothing to refuse beyond the fields' types."""
 
 
+def template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Messages as chat templates take them (image parts as ``{"type": "image"}``) and the image
+    URLs in the order their parts appear."""
+    out, urls = [], []
+    for m in messages:
+        if m.content is None or isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content or ""})
+            continue
+        parts = []
+        for part in m.content:
+            if part.type == "text":
+                parts.append({"type": "text", "text": part.text})
+            else:
+                parts.append({"type": "image"})
+                urls.append(part.image_url.url)
+        out.append({"role": m.role, "content": parts})
+    return out, urls
+
+
 def parse(model: type[_Model], body: bytes) -> Any:
     """The request body as ``model``, or an ``ApiError`` 400 naming the bad field."""
     try:

@@ -1,0 +1,148 @@
+"""``mmkv run-batch``: an OpenAI batch file through one engine.
+
+Each input line is a request in OpenAI's batch format: ``{"custom_id", "method": "POST", "url":
+"/v1/chat/completions" | "/v1/completions", "body"}``, the body what ``mmkv serve`` takes at that
+URL (images as ``data:`` URLs). Every line is checked first; then all of them are submitted to one
+engine together, so images and prefixes that lines share are computed once, and the engine runs
+them to the end behind a progress bar.
+
+Guarantees: one result line per input line, in input order, each with the line's ``custom_id``:
+``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error": null}``,
+the body what the server would have answered; a line that cannot run gets ``status_code`` 400 and
+the server's error body naming what was wrong (or, when it is not even a JSON object with a
+``custom_id``, ``response`` null and ``error`` set), and the others go on. No line is lost or
+answered twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from tqdm import tqdm
+
+from mmkv.engine import Engine
+from mmkv.outputs import RequestOutput
+from mmkv.server.media import MediaLoader, MediaPolicy
+from mmkv.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, parse,
+                                  template_messages)
+from mmkv.server.responses import Header, chat_completion, completion
+
+CHAT = "/v1/chat/completions"
+URLS = {CHAT: ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
+
+@dataclass(slots=True)
+class _Line:
+    """One input line on its way: its custom_id, what it asks, its engine requests, its result."""
+
+    custom_id: str | None
+    url: str = ""
+    request: Any = None
+    request_ids: list[int] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+
+
+def run_batch(engine: Engine, lines: Iterable[str], progress: bool = True) -> list[dict[str, Any]]:
+    """The result lines of ``lines`` (OpenAI batch requests), in order."""
+    seen: set[str] = set()
+    todo = [_check(text, seen) for text in lines if text.strip()]
+    media = MediaLoader(MediaPolicy())
+    for line in todo:
+        if line.result is None:
+            _submit(engine, line, media)
+    owners = {request_id: line for line in todo for request_id in line.request_ids}
+    outputs: dict[int, RequestOutput] = {}
+    with tqdm(total=len(owners), desc="requests", unit="req", disable=not progress) as bar:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out
+                    bar.update(1)
+    for line in todo:
+        if line.result is None:
+            line.result = _answer(engine, line, [outputs[i] for i in line.request_ids])
+    return [line.result for line in todo]
+
+
+def _check(text: str, seen: set[str]) -> _Line:
+    """A line parsed and checked, or with its error result already set."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return _Line(None, result=_unusable(None, "the line is not valid JSON"))
+    custom_id = data.get("custom_id") if isinstance(data, dict) else None
+    if not isinstance(custom_id, str) or not custom_id:
+        return _Line(None, result=_unusable(None, "the line needs a custom_id string"))
+    line = _Line(custom_id)
+    if custom_id in seen:
+        line.result = _refused(line, ApiError(400, f"custom_id {custom_id!r} is used by an earlier line",
+                                              param="custom_id"))
+        return line
+    seen.add(custom_id)
+    if data.get("method", "POST") != "POST" or data.get("url") not in URLS:
+        line.result = _refused(line, ApiError(400, f"method must be POST and url one of {', '.join(URLS)}; got "
+                                                   f"{data.get('method')!r} {data.get('url')!r}", param="url"))
+        return line
+    line.url = data["url"]
+    try:
+        line.request = parse(URLS[line.url], json.dumps(data.get("body")).encode())
+        if line.request.stream:
+            raise ApiError(400, "stream is not supported in a batch", param="stream")
+    except ApiError as err:
+        line.result = _refused(line, err)
+    return line
+
+
+def _submit(engine: Engine, line: _Line, media: MediaLoader) -> None:
+    """Prepare every prompt of the line, then queue them all (none when one is refused)."""
+    req = line.request
+    try:
+        if isinstance(req, ChatCompletionRequest):
+            params = req.sampling_params(req.max_completion_tokens or req.max_tokens or engine.max_model_len,
+                                         req.requested_logprobs())
+            messages, urls = template_messages(req.messages)
+            images = asyncio.run(media.load_all(urls)) if urls else []
+            ids = engine.render_chat(messages)
+            prompts: list[Any] = [{"prompt": ids, "images": images} if images else ids]
+        else:
+            params = req.sampling_params(req.max_tokens, req.logprobs)
+            prompts = req.prompts()
+        prepared = [engine.prepare_request(p, params, req.cache_salt,
+                                           label="request" if len(prompts) == 1 else f"prompt {i}")
+                    for i, p in enumerate(prompts)]
+    except ApiError as err:
+        line.result = _refused(line, err)
+        return
+    except ValueError as err:
+        line.result = _refused(line, ApiError(400, str(err)))
+        return
+    line.request_ids = [engine.add_prepared(p) for p in prepared]
+
+
+def _answer(engine: Engine, line: _Line, outs: list[RequestOutput]) -> dict[str, Any]:
+    failed = next((o.error for o in outs if o.error is not None), None)
+    if failed is not None:
+        return _refused(line, ApiError(500, failed, type="server_error"))
+    token_text = engine.tokenizer.decode
+    text = lambda token: token_text([token])  # noqa: E731
+    req = line.request
+    body = (chat_completion(Header("chat", req.model), outs[0], text) if line.url == CHAT
+            else completion(Header("completion", req.model), outs, text))
+    return _result(line.custom_id, {"status_code": 200, "request_id": body["id"], "body": body})
+
+
+def _refused(line: _Line, err: ApiError) -> dict[str, Any]:
+    return _result(line.custom_id, {"status_code": err.status, "request_id": None, "body": err.body()})
+
+
+def _unusable(custom_id: str | None, message: str) -> dict[str, Any]:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+            "error": {"code": "invalid_request", "message": message}}
+
+
+def _result(custom_id: str | None, response: dict[str, Any]) -> dict[str, Any]:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response, "error": None}
