@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	@# the web page's test drives Debian's headless Chromium; where apt-get cannot install it, that test is skipped
+	command -v chromedriver >/dev/null || ! command -v apt-get >/dev/null || \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null || \
+		echo "chromium could not be installed: the web page's browser test will be skipped"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -27,6 +27,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                              "(default: $MMKV_API_KEY, else no key)")
     server.add_argument("--served-model-name",
                         help="the model's name in the API (default: the model directory's name)")
+    server.add_argument("--no-ui", action="store_true", help="no web page at GET /")
     server.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds open connections get after SIGTERM before they are closed")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),

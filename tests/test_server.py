@@ -427,7 +427,7 @@ def test_a_request_that_fails_inside_the_engine_fails_alone(served):
     assert served.wait_idle()["mmkv_kv_blocks_in_use"] == 0
 
 
-def test_api_key_guards_every_route_but_health():
+def test_api_key_guards_every_route_but_health_and_the_page():
     running = start_server(bundled_engine(kv_cache_memory="4MiB"), api_key="sesame")
     try:
         assert httpx.get(f"{running.url}/health").status_code == 200

@@ -21,6 +21,7 @@ import copy
 import hmac
 import logging
 import time
+from pathlib import Path
 from contextlib import asynccontextmanager, suppress
 from typing import Any, AsyncIterator, Awaitable, Protocol
 
@@ -40,6 +41,7 @@ from mmkv.server.responses import (ChoiceStream, Header, chat_chunk, chat_comple
                                    completion, completion_chunk, completion_logprobs, sse, usage)
 from mmkv.server.settings import ServerSettings
 
+UI_PAGE = Path(__file__).with_name("ui.html")
 log = logging.getLogger("mmkv.server")
 access_log = logging.getLogger("mmkv.server.access")
 
@@ -98,10 +100,20 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
     app = FastAPI(lifespan=lifespan, title="mmkv", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_AccessLog)
     if settings.api_key:
-        app.add_middleware(_RequireKey, key=settings.api_key)
+        app.add_middleware(_RequireKey, key=settings.api_key, open_paths={"/health", "/"} if settings.ui
+                           else {"/health"})
     app.add_exception_handler(ApiError, _error_response)
     app.add_exception_handler(HTTPException, _error_response)
     app.add_exception_handler(Exception, _error_response)
+
+    if settings.ui:
+        page = UI_PAGE.read_text().replace("__MAX_IMAGE_BYTES__", str(settings.media.max_bytes))
+
+        @app.get("/")
+        async def web_page() -> Response:
+            """The web page (``mmkv/server/ui.html``): one file, no build step, no CDN; it asks for
+            the API key itself, so it is served without one and reveals nothing else."""
+            return Response(page, media_type="text/html; charset=utf-8")
 
     @app.get("/health")
     async def health() -> Response:
@@ -401,16 +413,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 class _RequireKey:
-    """ASGI middleware: every HTTP route but ``/health`` needs ``Authorization: Bearer <key>``
+    """ASGI middleware: every HTTP route but ``open_paths`` needs ``Authorization: Bearer <key>``
     (constant-time comparison). Load balancers probe ``/health`` without credentials; it
-    answers a status and nothing else."""
+    answers a status and nothing else; the web page at ``/`` asks for the key itself."""
 
-    def __init__(self, app, key: str) -> None:
+    def __init__(self, app, key: str, open_paths: set[str]) -> None:
         self.app = app
         self.expected = f"Bearer {key}".encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",

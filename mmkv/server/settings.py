@@ -25,6 +25,7 @@ class ServerSettings:
     media: MediaPolicy = field(default_factory=MediaPolicy)
     client_priority: tuple[int, int] = (0, 0)  # the priorities a client may ask for (0: FCFS)
     stall_seconds: float = 60.0  # /health is 503 once one engine turn takes longer while work waits
+    ui: bool = True  # the web page at GET /
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -38,4 +39,4 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes,
                           max_images_per_request=args.max_images_per_request, media=media,
-                          client_priority=tuple(args.allow_client_priority or (0, 0)))
+                          client_priority=tuple(args.allow_client_priority or (0, 0)), ui=not args.no_ui)
