@@ -2,9 +2,9 @@
 
 Prints every answer beside the truth, then what sharing saved: encoder calls, cross-attention K/V
 computed once per image and read by every question, prefill tokens served from the cache, and the
-time of the same batch with all reuse switched off (both warmed up, alternating, the best of
-``--repeats`` runs each). Writes a PNG grid of the scenes with their
-questions and answers.
+time of the same batch with all reuse switched off (``stable_timing``: the median of ``--rounds``
+alternating runs of a second or more each, from cold caches). Writes a PNG grid of the scenes with
+their questions and answers.
 
 Run: ``make demo`` or ``python examples/image_qa.py [--scenes 6] [--out image_qa.png]``.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 from pathlib import Path
 
 from PIL import Image, ImageDraw
+from stable_timing import alternate
 
 from mmkv import Engine, SamplingParams
 from mmkv.synthetic import random_scene
@@ -25,26 +25,12 @@ PARAMS = SamplingParams(max_tokens=64)
 COUNTERS = ("encoder_calls", "xattn_blocks_computed", "prompt_tokens", "computed_prefill_tokens")
 
 
-def run(scenes, questions, caching: bool, warm_up):
-    """One batched call on a fresh engine, after an untimed question about another picture: its
-    answers, seconds and counters (the warm-up's left out)."""
-    engine = Engine(kv_cache_memory="256MiB", host_kv_memory="32MiB", enable_prefix_caching=caching)
-    engine.ask(warm_up, ["warm up"], SamplingParams(max_tokens=2))
+def run(engine: Engine, images, questions):
+    """One batched call: its answers and counters."""
     before = engine.stats()
-    start = time.perf_counter()
-    answers = engine.ask([s.render() for s in scenes], questions, PARAMS)
-    seconds = time.perf_counter() - start
+    answers = engine.ask(images, questions, PARAMS)
     after = engine.stats()
-    return answers, seconds, {name: after[name] - before[name] for name in COUNTERS}
-
-
-def best_of(repeats: int, scenes, questions, warm_up):
-    """Runs with and without sharing, alternating; the fastest of each counts."""
-    runs: dict[bool, list] = {True: [], False: []}
-    for _ in range(repeats):
-        for caching in (True, False):
-            runs[caching].append(run(scenes, questions, caching, warm_up))
-    return [min(runs[caching], key=lambda r: r[1]) for caching in (True, False)]
+    return answers, {name: after[name] - before[name] for name in COUNTERS}
 
 
 def grid(scenes, questions, answers, truths, path: Path) -> None:
@@ -66,7 +52,7 @@ def main() -> None:
     parser.add_argument("--scenes", type=int, default=6)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("image_qa.png"))
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each mode")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timed runs of each mode")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     scenes = [random_scene(rng) for _ in range(args.scenes)]
@@ -77,8 +63,13 @@ def main() -> None:
                  "what is at the centre?", "what is at the top left?", "describe the scene."]
     truths = [[scene.answer(q) for q in questions] for scene in scenes]
 
-    (answers, seconds, stats), (_, plain_seconds, plain) = best_of(args.repeats, scenes, questions,
-                                                                   warm_up)
+    images = [s.render() for s in scenes]
+    shared, alone = (Engine(kv_cache_memory="256MiB", host_kv_memory="32MiB", enable_prefix_caching=caching)
+                     for caching in (True, False))
+    for engine in (shared, alone):
+        engine.ask(warm_up, ["warm up"], SamplingParams(max_tokens=2))
+    answers, stats = run(shared, images, questions)
+    _, plain = run(alone, images, questions)
     right = 0
     for i, (scene, row, want) in enumerate(zip(scenes, answers, truths)):
         print(f"scene {i}: {scene.describe()}")
@@ -96,8 +87,11 @@ def main() -> None:
     saved = stats["prompt_tokens"] - stats["computed_prefill_tokens"]
     print(f"prompt tokens {stats['prompt_tokens']}, prefilled {stats['computed_prefill_tokens']}, "
           f"served from cache {saved}")
-    print(f"time with sharing {seconds:.2f}s, without {plain_seconds:.2f}s "
-          f"({plain_seconds / seconds:.1f}x; best of {args.repeats} alternating runs each)")
+    work = lambda e: e.ask(images, questions, PARAMS)  # noqa: E731
+    seconds, repeats = alternate({"shared": (shared, work), "alone": (alone, work)}, args.rounds)
+    print(f"time per batch with sharing {seconds['shared']:.2f}s, without {seconds['alone']:.2f}s "
+          f"({seconds['alone'] / seconds['shared']:.2f}x; median of {args.rounds} alternating runs, "
+          f"each the batch {repeats} times from cold caches)")
     grid(scenes, questions, answers, truths, args.out)
     print(f"wrote {args.out}")
 

@@ -159,6 +159,16 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, image cross-attention K/V and image embedding that no
+        request holds (vLLM's ``reset_prefix_cache``): the next request computes them again. The
+        cache's hit and eviction counts start again from 0; requests in flight keep their blocks."""
+        self.kv.reset_cache()
+        if self.model.vision is not None:
+            kept = self.model.vision.cache.max_bytes
+            self.model.vision.cache.resize(0)
+            self.model.vision.cache.resize(kept)
+
     def cached_prefix_tokens(self, req: PreparedRequest) -> int:
         """How many of ``req``'s prompt tokens a request would be served from the cache now: its
         longest cached prefix (image tokens matching their image), less the last token, which is

@@ -48,3 +48,17 @@ def test_an_in_prompt_image_counts_its_cached_positions(vlm_dirs):
     assert again.reuse.images_encoded == 0
     assert again.cached_tokens == shared > len(b"Look: ") + 1
     assert again.reuse.prompt_tokens_computed == len(again.prompt_token_ids) - again.cached_tokens
+
+
+def test_reset_prefix_cache_makes_the_next_request_start_cold(vlm_dirs):
+    """After ``reset_prefix_cache`` the same request computes everything again: its prefix, its
+    image's encoder output and cross-attention K/V (what the examples time from cold caches)."""
+    eng = vlm_engine(vlm_dirs, "mllama")
+    request = {"prompt": list(b"Long shared text before it: ") + q("What is it?"), "images": [picture(6)]}
+    first = eng.generate([request], P)[0]
+    warm = eng.generate([request], P)[0]
+    assert warm.cached_tokens > 0 and warm.reuse.images_encoded == 0
+    eng.reset_prefix_cache()
+    cold = eng.generate([request], P)[0]
+    assert cold.cached_tokens == 0 and cold.reuse == first.reuse
+    assert cold.token_ids == first.token_ids and eng.stats()["blocks_in_use"] == 0
