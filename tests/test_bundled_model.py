@@ -117,9 +117,10 @@ def test_bundled_chat_template_renders_the_training_prompts():
 def test_demo_counts_only_the_batched_call(tmp_path, example):
     """`make demo`'s script: its counts are those of the batched call (the untimed warm-up left
     out): one encoder pass per image with sharing, one per question without."""
-    out = example("image_qa.py", "--repeats", "1", "--out", str(tmp_path / "qa.png"))
+    out = example("image_qa.py", "--rounds", "1", "--out", str(tmp_path / "qa.png"))
     assert "encoder calls: 6 for 6 images and 48 questions (without sharing: 48)" in out, out
     assert "cross-attention K/V blocks computed: 6 (without sharing: 48)" in out, out
     right = int(out.split("/48 answers exactly right")[0].split()[-1])
     assert right >= 44, out
     assert (tmp_path / "qa.png").exists()
+    assert "median of 1 alternating runs, each the batch" in out, out
