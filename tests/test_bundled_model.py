@@ -23,6 +23,7 @@ def example(monkeypatch, capsys):
     torch's thread count, which a script may set, is put back after."""
     def run(name: str, *args: str) -> str:
         monkeypatch.setattr(sys, "argv", [name, *args])
+        monkeypatch.syspath_prepend(str(ROOT / "examples"))  # as `python examples/<name>` puts it first
         threads = torch.get_num_threads()
         try:
             runpy.run_path(str(ROOT / "examples" / name), run_name="__main__")
