@@ -19,18 +19,20 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from tqdm import tqdm
 
 from mmkv.engine import Engine
 from mmkv.outputs import RequestOutput
+from mmkv.server.async_engine import AsyncEngine, ChatPrompt, RequestFailed
 from mmkv.server.media import MediaLoader, MediaPolicy
 from mmkv.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, parse,
                                   template_messages)
 from mmkv.server.responses import Header, chat_completion, completion
 
+UNBOUNDED = 1 << 30  # a batch queues every line it holds: admission never refuses
 CHAT = "/v1/chat/completions"
 URLS = {CHAT: ChatCompletionRequest, "/v1/completions": CompletionRequest}
 
@@ -42,30 +44,89 @@ class _Line:
     custom_id: str | None
     url: str = ""
     request: Any = None
-    request_ids: list[int] = field(default_factory=list)
     result: dict[str, Any] | None = None
 
 
 def run_batch(engine: Engine, lines: Iterable[str], progress: bool = True) -> list[dict[str, Any]]:
-    """The result lines of ``lines`` (OpenAI batch requests), in order."""
+    """The result lines of ``lines`` (OpenAI batch requests), in order, on ``engine``."""
+    front = AsyncEngine(engine, max_pending=UNBOUNDED)
+    front.start()
+    try:
+        return asyncio.run(answer_lines(front, list(lines), progress))
+    finally:
+        front.stop()
+        front.join()
+
+
+async def answer_lines(front: AsyncEngine, lines: list[str], progress: bool = False) -> list[dict[str, Any]]:
+    """``run_batch`` on a running front: every line checked, then all of them in flight at once
+    (one continuous batch), each result where its line was."""
     seen: set[str] = set()
     todo = [_check(text, seen) for text in lines if text.strip()]
     media = MediaLoader(MediaPolicy())
-    for line in todo:
-        if line.result is None:
-            _submit(engine, line, media)
-    owners = {request_id: line for line in todo for request_id in line.request_ids}
-    outputs: dict[int, RequestOutput] = {}
-    with tqdm(total=len(owners), desc="requests", unit="req", disable=not progress) as bar:
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = out
-                    bar.update(1)
-    for line in todo:
-        if line.result is None:
-            line.result = _answer(engine, line, [outputs[i] for i in line.request_ids])
+    with tqdm(total=len(todo), desc="requests", unit="req", disable=not progress) as bar:
+        async def one(line: _Line) -> None:
+            if line.result is None:
+                line.result = await _run(front, line, media)
+            bar.update(1)
+
+        await asyncio.gather(*(one(line) for line in todo))
     return [line.result for line in todo]
+
+
+def run_batch_on_replicas(model: str, replicas: int, engine_options: dict[str, Any],
+                          lines: Iterable[str], progress: bool = True) -> list[dict[str, Any]]:
+    """``run_batch`` on ``replicas`` engine replicas of ``mmkv.distributed`` (on the Ray cluster
+    ``ray.init`` reaches): every line checked here, each one run on the replica its
+    ``affinity_key`` picks, so lines that share an image or a prefix share one replica's cache;
+    the results in input order."""
+    import ray
+
+    from mmkv.distributed import Replicas
+    from mmkv.distributed.routing import rendezvous_order
+
+    seen: set[str] = set()
+    lines = [text for text in lines if text.strip()]
+    checked = [_check(text, seen) for text in lines]
+    results: list[dict[str, Any] | None] = [line.result for line in checked]
+    with Replicas(model, replicas, engine_options) as pool:
+        groups: dict[int, list[int]] = {}
+        for i, line in enumerate(checked):
+            if line.result is None:
+                target = pool.names.index(rendezvous_order(affinity_key(lines[i]), pool.names)[0])
+                groups.setdefault(target, []).append(i)
+        calls = {target: pool.actors[target].batch_lines.remote([lines[i] for i in members])
+                 for target, members in groups.items()}
+        with tqdm(total=len(calls), desc="replicas", unit="replica", disable=not progress) as bar:
+            for target, members in groups.items():
+                for i, result in zip(members, ray.get(calls[target])):
+                    results[i] = result
+                bar.update(1)
+    return results
+
+
+def affinity_key(text: str) -> str:
+    """Which replica a line should run on (``--ray-replicas``): its first image, else the chat
+    messages before its last user turn, else the start of its prompt; lines with one key share one
+    replica's cache."""
+    from mmkv.distributed.affinity import chat_affinity, shared_prefix_affinity
+
+    try:
+        body = json.loads(text).get("body") or {}
+        salt = body.get("cache_salt")
+        messages = body.get("messages")
+        if messages:
+            for message in messages:
+                for part in message.get("content") if isinstance(message.get("content"), list) else []:
+                    if part.get("type") == "image_url":
+                        return "image:" + str(part["image_url"]["url"])[-4096:]
+            return chat_affinity(messages, salt) or shared_prefix_affinity(json.dumps(messages)[:PREFIX_CHARS], salt)
+        return shared_prefix_affinity(str(body.get("prompt"))[:PREFIX_CHARS], salt)
+    except (ValueError, AttributeError, TypeError, KeyError):
+        return "unusable"  # the replica refuses the line, with the reason
+
+
+PREFIX_CHARS = 1024  # the characters of a prompt that key a line naming no shared part
 
 
 def _check(text: str, seen: set[str]) -> _Line:
@@ -97,39 +158,30 @@ def _check(text: str, seen: set[str]) -> _Line:
     return line
 
 
-def _submit(engine: Engine, line: _Line, media: MediaLoader) -> None:
-    """Prepare every prompt of the line, then queue them all (none when one is refused)."""
+async def _run(front: AsyncEngine, line: _Line, media: MediaLoader) -> dict[str, Any]:
+    """One line's requests through the front: its result body, or its refusal."""
     req = line.request
     try:
         if isinstance(req, ChatCompletionRequest):
-            params = req.sampling_params(req.max_completion_tokens or req.max_tokens or engine.max_model_len,
+            params = req.sampling_params(req.max_completion_tokens or req.max_tokens or front.max_model_len,
                                          req.requested_logprobs())
             messages, urls = template_messages(req.messages)
-            images = asyncio.run(media.load_all(urls)) if urls else []
-            ids = engine.render_chat(messages)
-            prompts: list[Any] = [{"prompt": ids, "images": images} if images else ids]
+            prompts: list[Any] = [ChatPrompt(messages, await media.load_all(urls))]
         else:
             params = req.sampling_params(req.max_tokens, req.logprobs)
             prompts = req.prompts()
-        prepared = [engine.prepare_request(p, params, req.cache_salt,
-                                           label="request" if len(prompts) == 1 else f"prompt {i}")
-                    for i, p in enumerate(prompts)]
+        outs: list[RequestOutput | None] = [None] * len(prompts)
+        async for index, out in front.generate(prompts, params, req.cache_salt, stream=False):
+            if out.finished:
+                outs[index] = out
     except ApiError as err:
-        line.result = _refused(line, err)
-        return
+        return _refused(line, err)
     except ValueError as err:
-        line.result = _refused(line, ApiError(400, str(err)))
-        return
-    line.request_ids = [engine.add_prepared(p) for p in prepared]
-
-
-def _answer(engine: Engine, line: _Line, outs: list[RequestOutput]) -> dict[str, Any]:
-    failed = next((o.error for o in outs if o.error is not None), None)
-    if failed is not None:
-        return _refused(line, ApiError(500, failed, type="server_error"))
-    token_text = engine.tokenizer.decode
-    text = lambda token: token_text([token])  # noqa: E731
-    req = line.request
+        return _refused(line, ApiError(400, str(err)))
+    except RequestFailed as err:
+        return _refused(line, ApiError(500, str(err), type="server_error"))
+    decode = front.tokenizer.decode
+    text = lambda token: decode([token])  # noqa: E731
     body = (chat_completion(Header("chat", req.model), outs[0], text) if line.url == CHAT
             else completion(Header("completion", req.model), outs, text))
     return _result(line.custom_id, {"status_code": 200, "request_id": body["id"], "body": body})

@@ -13,7 +13,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from mmkv.engine_args import add_engine_arguments, engine_from_args
+from mmkv.engine_args import add_engine_arguments, engine_from_args, engine_options
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,16 +110,23 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True, help="where the results go (JSON lines); - writes "
                                                         "standard output")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on standard error")
+    p.add_argument("--ray-replicas", type=int, default=0,
+                   help="run the lines on N engine replicas on the Ray cluster (mmkv.distributed), "
+                        "each image or shared prefix on one of them; 0: one engine here")
     add_engine_arguments(p)
 
 
 def run_batch_command(args: argparse.Namespace) -> None:
-    from mmkv.batch_file import run_batch  # torch and the engine load here
+    from mmkv.batch_file import run_batch, run_batch_on_replicas  # torch and the engine load here
 
     source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
     with source:
         lines = source.readlines()
-    results = run_batch(engine_from_args(args), lines, progress=not args.no_progress)
+    if args.ray_replicas:
+        results = run_batch_on_replicas(str(args.model), args.ray_replicas, engine_options(args), lines,
+                                        progress=not args.no_progress)
+    else:
+        results = run_batch(engine_from_args(args), lines, progress=not args.no_progress)
     target = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
     try:
         for result in results:

@@ -61,6 +61,12 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
     """The ``Engine`` the flags describe (on the bundled model, speculation takes the settings
     measured fastest on it)."""
     from mmkv.engine import Engine  # torch and transformers load here, when an engine is built
+
+    return Engine(args.model, **engine_options(args))
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """``Engine``'s keyword arguments (all but the model) that the flags describe."""
     from speculative.config import SpeculativeConfig
 
     speculative = None
@@ -69,13 +75,13 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
         if args.num_speculative_tokens is not None:
             options["num_tokens"] = args.num_speculative_tokens
         speculative = SpeculativeConfig(method=args.speculative, draft_model=args.draft_model, **options)
-    return Engine(args.model, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                  device=args.device, dtype=args.dtype, host_kv_memory=args.host_kv_memory,
-                  max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
-                  eviction_policy=args.eviction_policy, preemption=args.preemption,
-                  preemption_policy=args.preemption_policy, speculative=speculative,
-                  kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_layers=args.kv_cache_dtype_layers)
+    return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                device=args.device, dtype=args.dtype, host_kv_memory=args.host_kv_memory,
+                max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
+                eviction_policy=args.eviction_policy, preemption=args.preemption,
+                preemption_policy=args.preemption_policy, speculative=speculative,
+                kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_layers=args.kv_cache_dtype_layers)
 
 
 def layer_list(text: str) -> list[int]:

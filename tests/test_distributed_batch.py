@@ -18,6 +18,7 @@ import ray
 from mmkv import Engine, SamplingParams
 from mmkv.bench.__main__ import main as bench_main
 from mmkv.bench.distributed_bench import ENGINE_OPTIONS, local_prompts, qa_rows
+from mmkv.bundled import BUNDLED_MODEL
 from mmkv.distributed import Replicas, answer
 
 PARAMS = SamplingParams(max_tokens=8)
@@ -162,3 +163,29 @@ def test_the_benchmark_reports_every_figure_at_a_tiny_size(cluster, capsys):
                 "speedup_affinity_vs_round_robin"):
         assert result[key] > 0, key
     assert ray.is_initialized()  # the test's cluster was used and left running
+
+
+def test_run_batch_on_two_replicas_keeps_each_image_on_one(cluster):
+    """``mmkv run-batch --ray-replicas 2``: the same results as one engine, line for line in
+    order, each scene encoded once across the replicas (its lines all ran on one)."""
+    from mmkv.batch_file import run_batch, run_batch_on_replicas
+    from server_harness import bundled_engine
+    from test_run_batch import _lines
+
+    lines, _ = _lines(seed=2)
+    local = run_batch(bundled_engine(), lines, progress=False)
+    spread = run_batch_on_replicas(str(BUNDLED_MODEL), 2, {"kv_cache_memory": "32MiB", "host_kv_memory": "4MiB"},
+                                   lines, progress=False)
+    assert [r["custom_id"] for r in spread] == [r["custom_id"] for r in local]
+
+    def answer(result):
+        response = result["response"]
+        if response is None or response["status_code"] != 200:
+            return None if response is None else response["body"]["error"]["message"]
+        choice = response["body"]["choices"][0]
+        return choice.get("message", {}).get("content", choice.get("text"))
+
+    assert [answer(r) for r in spread] == [answer(r) for r in local]
+    encoded = sum(r["response"]["body"]["usage"]["mmkv"]["images_encoded"] for r in spread
+                  if r["response"] is not None and r["response"]["status_code"] == 200)
+    assert encoded == 2

@@ -174,6 +174,14 @@ class _EngineReplica:
             out[column] = out[column].astype(object).where(out[column].notna(), None)
         return out
 
+    async def batch_lines(self, lines: list[str]) -> list[dict[str, Any]]:
+        """Lines of an OpenAI batch file answered here (``mmkv run-batch --ray-replicas``)."""
+        from mmkv.batch_file import answer_lines
+
+        results = await answer_lines(self.front, lines)
+        await self.board.report.remote(self.name, self.front.engine.stats())
+        return results
+
     def _peer(self, index: int) -> Any:
         if index not in self.peers:
             self.peers[index] = ray.get_actor(self.names[index], namespace=NAMESPACE)
