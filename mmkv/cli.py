@@ -117,12 +117,14 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_batch_command(args: argparse.Namespace) -> None:
-    from mmkv.batch_file import run_batch, run_batch_on_replicas  # torch and the engine load here
+    from mmkv.server.batch_file import run_batch  # torch and the engine load here
 
     source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
     with source:
         lines = source.readlines()
     if args.ray_replicas:
+        from mmkv.distributed.batch import run_batch_on_replicas  # Ray loads only here
+
         results = run_batch_on_replicas(str(args.model), args.ray_replicas, engine_options(args), lines,
                                         progress=not args.no_progress)
     else:

@@ -168,7 +168,8 @@ def test_the_benchmark_reports_every_figure_at_a_tiny_size(cluster, capsys):
 def test_run_batch_on_two_replicas_keeps_each_image_on_one(cluster):
     """``mmkv run-batch --ray-replicas 2``: the same results as one engine, line for line in
     order, each scene encoded once across the replicas (its lines all ran on one)."""
-    from mmkv.batch_file import run_batch, run_batch_on_replicas
+    from mmkv.distributed.batch import run_batch_on_replicas
+    from mmkv.server.batch_file import run_batch
     from server_harness import bundled_engine
     from test_run_batch import _lines
 

@@ -8,7 +8,7 @@ import json
 import random
 
 from mmkv import SamplingParams
-from mmkv.batch_file import run_batch
+from mmkv.server.batch_file import run_batch
 from mmkv.cli import main
 from mmkv.synthetic import document_prompt, random_report, random_scene, scene_prompt, scene_questions
 from server_harness import bundled_engine

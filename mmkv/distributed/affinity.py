@@ -57,3 +57,25 @@ def _text(shared: str, cache_salt: str | None, kind: str = "text") -> str:
 
 def _salt(cache_salt: str | None) -> str:
     return xxhash.xxh3_64_hexdigest((cache_salt or "").encode())
+
+
+def batch_line_affinity(text: str) -> str:
+    """Which replica a line should run on (``--ray-replicas``): its first image, else the chat
+    messages before its last user turn, else the start of its prompt; lines with one key share one
+    replica's cache."""
+    try:
+        body = json.loads(text).get("body") or {}
+        salt = body.get("cache_salt")
+        messages = body.get("messages")
+        if messages:
+            for message in messages:
+                for part in message.get("content") if isinstance(message.get("content"), list) else []:
+                    if part.get("type") == "image_url":
+                        return "image:" + str(part["image_url"]["url"])[-4096:]
+            return chat_affinity(messages, salt) or shared_prefix_affinity(json.dumps(messages)[:PREFIX_CHARS], salt)
+        return shared_prefix_affinity(str(body.get("prompt"))[:PREFIX_CHARS], salt)
+    except (ValueError, AttributeError, TypeError, KeyError):
+        return "unusable"  # the replica refuses the line, with the reason
+
+
+PREFIX_CHARS = 1024  # the characters of a prompt that key a line naming no shared part

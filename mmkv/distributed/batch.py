@@ -34,19 +34,21 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import pandas as pd
 import ray
 from ray.data import Dataset
+from tqdm import tqdm
 
 from mmkv import Engine, SamplingParams
 from mmkv.bundled import BUNDLED_MODEL
-from mmkv.distributed.affinity import DEFAULT_PREFIX_TOKENS
+from mmkv.distributed.affinity import DEFAULT_PREFIX_TOKENS, batch_line_affinity
 from mmkv.distributed.routing import rendezvous_order
 from mmkv.distributed.rows import KEY, AffinityKeys, row_error, row_value
 from mmkv.distributed.stats_board import StatsBoard
 from mmkv.server.async_engine import AsyncEngine, RequestFailed
+from mmkv.server.batch_file import answer_lines, check_line
 
 OUTPUT_COLUMNS = ("answer", "finish_reason", "prompt_tokens", "cached_tokens", "replica", "error")
 UNBOUNDED = 1 << 30  # a batch job queues every row it is sent: admission never refuses
@@ -120,6 +122,32 @@ def answer(ds: Dataset, replicas: Replicas, params: SamplingParams | None = None
     return ray.data.from_pandas_refs(answered)
 
 
+def run_batch_on_replicas(model: str, replicas: int, engine_options: dict[str, Any],
+                          lines: Iterable[str], progress: bool = True) -> list[dict[str, Any]]:
+    """``mmkv.server.batch_file.run_batch`` on ``replicas`` engine replicas (on the Ray cluster
+    ``ray.init`` reaches): every line checked here, each one run on the replica its
+    ``batch_line_affinity`` picks, so lines that share an image or a prefix share one replica's cache;
+    the results in input order."""
+    seen: set[str] = set()
+    lines = [text for text in lines if text.strip()]
+    checked = [check_line(text, seen) for text in lines]
+    results: list[dict[str, Any] | None] = [line.result for line in checked]
+    with Replicas(model, replicas, engine_options) as pool:
+        groups: dict[int, list[int]] = {}
+        for i, line in enumerate(checked):
+            if line.result is None:
+                target = pool.names.index(rendezvous_order(batch_line_affinity(lines[i]), pool.names)[0])
+                groups.setdefault(target, []).append(i)
+        calls = {target: pool.actors[target].batch_lines.remote([lines[i] for i in members])
+                 for target, members in groups.items()}
+        with tqdm(total=len(calls), desc="replicas", unit="replica", disable=not progress) as bar:
+            for target, members in groups.items():
+                for i, result in zip(members, ray.get(calls[target])):
+                    results[i] = result
+                bar.update(1)
+    return results
+
+
 def _check_counts(**counts: int) -> None:
     for name, value in counts.items():
         if not isinstance(value, int) or value < 1:
@@ -176,8 +204,6 @@ class _EngineReplica:
 
     async def batch_lines(self, lines: list[str]) -> list[dict[str, Any]]:
         """Lines of an OpenAI batch file answered here (``mmkv run-batch --ray-replicas``)."""
-        from mmkv.batch_file import answer_lines
-
         results = await answer_lines(self.front, lines)
         await self.board.report.remote(self.name, self.front.engine.stats())
         return results

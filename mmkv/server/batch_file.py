@@ -62,7 +62,7 @@ async def answer_lines(front: AsyncEngine, lines: list[str], progress: bool = Fa
     """``run_batch`` on a running front: every line checked, then all of them in flight at once
     (one continuous batch), each result where its line was."""
     seen: set[str] = set()
-    todo = [_check(text, seen) for text in lines if text.strip()]
+    todo = [check_line(text, seen) for text in lines if text.strip()]
     media = MediaLoader(MediaPolicy())
     with tqdm(total=len(todo), desc="requests", unit="req", disable=not progress) as bar:
         async def one(line: _Line) -> None:
@@ -74,62 +74,7 @@ async def answer_lines(front: AsyncEngine, lines: list[str], progress: bool = Fa
     return [line.result for line in todo]
 
 
-def run_batch_on_replicas(model: str, replicas: int, engine_options: dict[str, Any],
-                          lines: Iterable[str], progress: bool = True) -> list[dict[str, Any]]:
-    """``run_batch`` on ``replicas`` engine replicas of ``mmkv.distributed`` (on the Ray cluster
-    ``ray.init`` reaches): every line checked here, each one run on the replica its
-    ``affinity_key`` picks, so lines that share an image or a prefix share one replica's cache;
-    the results in input order."""
-    import ray
-
-    from mmkv.distributed import Replicas
-    from mmkv.distributed.routing import rendezvous_order
-
-    seen: set[str] = set()
-    lines = [text for text in lines if text.strip()]
-    checked = [_check(text, seen) for text in lines]
-    results: list[dict[str, Any] | None] = [line.result for line in checked]
-    with Replicas(model, replicas, engine_options) as pool:
-        groups: dict[int, list[int]] = {}
-        for i, line in enumerate(checked):
-            if line.result is None:
-                target = pool.names.index(rendezvous_order(affinity_key(lines[i]), pool.names)[0])
-                groups.setdefault(target, []).append(i)
-        calls = {target: pool.actors[target].batch_lines.remote([lines[i] for i in members])
-                 for target, members in groups.items()}
-        with tqdm(total=len(calls), desc="replicas", unit="replica", disable=not progress) as bar:
-            for target, members in groups.items():
-                for i, result in zip(members, ray.get(calls[target])):
-                    results[i] = result
-                bar.update(1)
-    return results
-
-
-def affinity_key(text: str) -> str:
-    """Which replica a line should run on (``--ray-replicas``): its first image, else the chat
-    messages before its last user turn, else the start of its prompt; lines with one key share one
-    replica's cache."""
-    from mmkv.distributed.affinity import chat_affinity, shared_prefix_affinity
-
-    try:
-        body = json.loads(text).get("body") or {}
-        salt = body.get("cache_salt")
-        messages = body.get("messages")
-        if messages:
-            for message in messages:
-                for part in message.get("content") if isinstance(message.get("content"), list) else []:
-                    if part.get("type") == "image_url":
-                        return "image:" + str(part["image_url"]["url"])[-4096:]
-            return chat_affinity(messages, salt) or shared_prefix_affinity(json.dumps(messages)[:PREFIX_CHARS], salt)
-        return shared_prefix_affinity(str(body.get("prompt"))[:PREFIX_CHARS], salt)
-    except (ValueError, AttributeError, TypeError, KeyError):
-        return "unusable"  # the replica refuses the line, with the reason
-
-
-PREFIX_CHARS = 1024  # the characters of a prompt that key a line naming no shared part
-
-
-def _check(text: str, seen: set[str]) -> _Line:
+def check_line(text: str, seen: set[str]) -> _Line:
     """A line parsed and checked, or with its error result already set."""
     try:
         data = json.loads(text)
