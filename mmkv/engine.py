@@ -79,7 +79,6 @@ class Engine:
         shapes = [(m.dtype, lay.head_dim) for m, lay in zip((self.model, draft), layouts)]
         stored = {lay.dtype_of(i) for lay in layouts for i in range(lay.num_layers)}
         self.attention = choose_backend(attention_backend, device, shapes, stored)
-        self.kv_cache_dtype = kv_cache_dtype
         self.kv = KVCache.from_memory(layouts[0], kv_cache_memory, host_kv_memory, device,
                                       eviction_policy, layouts[1:])
         if self.model.vision is not None and not enable_prefix_caching:

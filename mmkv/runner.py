@@ -152,12 +152,14 @@ class ModelRunner:
     def _run_plain(self, seqs: list[Sequence], q_lens: list[int], result: StepResult) -> None:
         """Compute the scheduled tokens and sample where a sequence's last token was computed.
         When the batch raises, each request runs alone and one that raises alone has failed."""
-        # the masks of the sequences that sample now, filled while the forward pass runs
-        samples = [i for i, (s, q) in enumerate(zip(seqs, q_lens)) if s.num_computed + q == len(s.token_ids)]
-        constrained = [i for i in samples if seqs[i].params.constrained]
-        masks = StepMasks([seqs[i].constraint for i in constrained]) if constrained else None
+        # the sequences whose last token is computed now sample; the masks of those that are
+        # constrained are filled while the forward pass runs
+        sampling = [i for i, (s, q) in enumerate(zip(seqs, q_lens)) if s.num_computed + q == len(s.token_ids)]
+        constrained = [row for row, i in enumerate(sampling) if seqs[i].params.constrained]
+        chosen = [seqs[i] for i in sampling]
+        masks = StepMasks([chosen[row].constraint for row in constrained]) if constrained else None
         try:
-            logits, sampling = self._forward_plain(seqs, q_lens)
+            logits = self._forward_plain(seqs, q_lens, sampling)
         except Exception as err:
             if masks is not None:
                 masks.cancel()
@@ -171,11 +173,9 @@ class ModelRunner:
                 self._run_plain([seqs[i] for i in rows], [q_lens[i] for i in rows], result)
             return
         result.computed.extend(zip(seqs, q_lens))
-        chosen = [seqs[i] for i in sampling]
         if masks is not None:  # logit biases and grammar masks, every constrained row at once
             with torch.inference_mode():  # the logits are the forward's inference tensor
-                masks.apply(logits, [sampling.index(i) for i in constrained],
-                            [seqs[i].params.logit_bias for i in constrained])
+                masks.apply(logits, constrained, [chosen[row].params.logit_bias for row in constrained])
         greedy = _greedy_tokens(chosen, logits)
         for row, seq in enumerate(chosen):
             try:
@@ -186,20 +186,19 @@ class ModelRunner:
                 continue
             result.sampled.append(drawn)
 
-    def _forward_plain(self, seqs: list[Sequence], q_lens: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """Logits at the last token of every sequence whose last token is computed now (and the
-        indices of those sequences). Writes K/V only into the reserved slots, so it can rerun."""
+    def _forward_plain(self, seqs: list[Sequence], q_lens: list[int], sampling: list[int]) -> torch.Tensor:
+        """Logits at the last token of each sequence of ``sampling`` (the indices of those whose
+        last token is computed now). Writes K/V only into the reserved slots, so it can rerun."""
         kv_lens = [s.num_computed + q for s, q in zip(seqs, q_lens)]
         step = self.context(seqs, q_lens, kv_lens)
         input_ids = longs([t for s, q in zip(seqs, q_lens)
                            for t in s.token_ids[s.num_computed:s.num_computed + q]], self.device)
         starts = step.batch.host.qo_indptr[:-1].tolist()
-        sampling = [i for i, (s, n) in enumerate(zip(seqs, kv_lens)) if n == len(s.token_ids)]
         rows = longs([starts[i] + q_lens[i] - 1 for i in sampling], self.device)
         logits = self.model.forward(input_ids, step, rows)
         if self.speculator is not None:
             self.speculator.follow(input_ids, step, seqs, q_lens)
-        return logits, sampling
+        return logits
 
     def _draw(self, seq: Sequence, logits: torch.Tensor) -> Sampled:
         """The next token of ``seq`` by its sampling parameters, and at a parent's first token

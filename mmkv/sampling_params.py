@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # most alternatives a token's logprobs can list (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0  # the largest bias magnitude (OpenAI's limit)
+STRUCTURED_KINDS = ("json_schema", "json_object", "choice", "regex", "grammar")  # StructuredOutput's fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +39,15 @@ class StructuredOutput:
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
-        given = [name for name in ("json_schema", "json_object", "choice", "regex", "grammar")
-                 if getattr(self, name) not in (None, False)]
+        given = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured output takes exactly one of json_schema, json_object, choice, "
                              f"regex, grammar; got {', '.join(given) or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: one of ``STRUCTURED_KINDS``."""
+        return next(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))
 
     def key(self) -> tuple:
         """What identifies the compiled grammar."""

@@ -75,9 +75,7 @@ class GrammarCache:
         return grammar
 
     def _compile(self, spec: StructuredOutput) -> str:
-        matcher = self.llguidance.LLMatcher
-        kind = next(name for name in ("json_schema", "json_object", "choice", "regex", "grammar")
-                    if getattr(spec, name) not in (None, False))
+        matcher, kind = self.llguidance.LLMatcher, spec.kind
         try:
             if spec.json_schema is not None or spec.json_object:
                 schema = spec.json_schema if spec.json_schema is not None else {"type": "object"}

@@ -3,24 +3,25 @@ decode attention costs over long contexts, per KV format.
 
 1. **Capacity under pressure.** The bundled model serves ``--documents`` documents of
    ``--document-tokens`` tokens (ordinary tokens of its vocabulary), each asked a question of a few
-   tokens in each of ``--rounds`` rounds (every document revisited),
-   from a pool of ``--kv-cache-memory`` bytes, in batches of ``--batch`` requests, greedy, ``--answer``
-   tokens each; each round visits the documents in a shuffled order (seeded), as a server's
-   clients come back in no fixed order (in one fixed order, a pool too small for all of them
-   would lose every one to LRU before its turn came again). Variants: float32 and bfloat16 models with their own KV (``fp32``, ``bf16``) and
-   with int8 and fp8 KV (``fp32_int8``, ``fp32_fp8``, ``bf16_int8``, ``bf16_fp8``). Per variant:
-   the pool's tokens and bytes per token (scales included), prompt tokens served from the cache (``cached_prompt_tokens``) and their
-   share (``hit_rate``), prompt tokens computed again after the first round
-   (``recomputed_prompt_tokens``), evictions, seconds (the fastest of
-   ``--repeats``), and the share of answers equal to the same model's over its uncompressed cache
-   (``greedy_agreement``). ``cached_prompt_tokens_int8_vs_bf16`` and ``seconds_int8_vs_bf16``
-   compare ``bf16_int8`` with ``bf16``: the same model arithmetic, only the cache's format differs.
+   tokens in each of ``--rounds`` rounds (every document revisited), from a pool of
+   ``--kv-cache-memory`` bytes, in batches of ``--batch`` requests, greedy, ``--answer`` tokens
+   each; each round visits the documents in a shuffled order (seeded), as a server's clients come
+   back in no fixed order (in one fixed order, a pool too small for all of them would lose every
+   one to LRU before its turn came again). Variants: float32 and bfloat16 models with their own KV
+   (``fp32``, ``bf16``) and with int8 and fp8 KV (``fp32_int8``, ``fp32_fp8``, ``bf16_int8``,
+   ``bf16_fp8``). Per variant: the pool's tokens and bytes per token (scales included), prompt
+   tokens served from the cache (``cached_prompt_tokens``) and their share (``hit_rate``), prompt
+   tokens computed again after the first round (``recomputed_prompt_tokens``), evictions, seconds
+   (the fastest of ``--repeats``), and the share of answers equal to the same model's over its
+   uncompressed cache (``greedy_agreement``). ``cached_prompt_tokens_int8_vs_bf16`` and
+   ``seconds_int8_vs_bf16`` compare ``bf16_int8`` with ``bf16``: the same model arithmetic, only
+   the cache's format differs.
 2. **Long-context decode attention.** ``--long-sequences`` sequences of ``--long-context`` tokens,
    the layer shape of the benchmarks' random Llama (8 query heads, 4 KV heads of 64), one decode
    query each: seconds of the native decode kernel per layer call, the fastest of
    ``--long-steps`` calls, per cache format (``decode_attention_seconds_<format>``), and
-   ``decode_attention_int8_vs_bf16``. Decode attention there reads every cached byte once a
-   step, so it goes with the bytes a format stores.
+   ``decode_attention_int8_vs_bf16``. A call reads every cached byte once; where that reading
+   bounds the kernel, its time goes with the bytes a format stores (``kv_bytes_read_<format>``).
 3. **Against llama.cpp's q8_0 KV** (``--peers llama.cpp``, installed by ``make bench-peers``): the
    capacity workload on the benchmarks' random Llama, ``--peer-documents`` documents, mmkv's int8
    cache against llama.cpp's q8_0 K and V in the same bytes, llama.cpp serving ``--batch`` parallel

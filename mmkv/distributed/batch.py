@@ -48,10 +48,9 @@ from mmkv.distributed.routing import rendezvous_order
 from mmkv.distributed.rows import KEY, AffinityKeys, row_error, row_value
 from mmkv.distributed.stats_board import StatsBoard
 from mmkv.server.async_engine import AsyncEngine, RequestFailed
-from mmkv.server.batch_file import answer_lines, check_line
+from mmkv.server.batch_file import UNBOUNDED, answer_lines, check_line
 
 OUTPUT_COLUMNS = ("answer", "finish_reason", "prompt_tokens", "cached_tokens", "replica", "error")
-UNBOUNDED = 1 << 30  # a batch job queues every row it is sent: admission never refuses
 NAMESPACE = "mmkv-batch"
 
 

@@ -146,10 +146,7 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
         req = await _parse(ChatCompletionRequest, request, settings)
         explicit = req.max_completion_tokens or req.max_tokens
         params = req.sampling_params(explicit or front.max_model_len, req.requested_logprobs())
-        messages, urls = template_messages(req.messages)
-        if len(urls) > settings.max_images_per_request:
-            raise ApiError(400, f"{len(urls)} images in one request; at most "
-                                f"{settings.max_images_per_request}", param="messages")
+        messages, urls = _chat_messages(req.messages, settings)
         ticket = _admit(front, params.n, settings)
         try:
             images = await _unless_disconnected(request, media.load_all(urls))
@@ -169,10 +166,7 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
         many leading tokens the cache would serve a request with this prompt now."""
         req = await _parse(TokenizeRequest, request, settings)
         if req.messages is not None:
-            messages, urls = template_messages(req.messages)
-            if len(urls) > settings.max_images_per_request:
-                raise ApiError(400, f"{len(urls)} images in one request; at most "
-                                    f"{settings.max_images_per_request}", param="messages")
+            messages, urls = _chat_messages(req.messages, settings)
             prompt: Any = ChatPrompt(messages, await media.load_all(urls))
         else:
             prompt = req.prompt
@@ -376,6 +370,15 @@ def _admit(front: Front, n: int, settings: ServerSettings) -> Ticket:
                        headers={"Retry-After": str(settings.retry_after_seconds)}) from None
     except EngineStopped as err:
         raise _api_error(err) from None
+
+
+def _chat_messages(messages: list, settings: ServerSettings) -> tuple[list[dict[str, Any]], list[str]]:
+    """``template_messages``, refusing more images than ``--max-images-per-request`` (a 400)."""
+    out, urls = template_messages(messages)
+    if len(urls) > settings.max_images_per_request:
+        raise ApiError(400, f"{len(urls)} images in one request; at most "
+                            f"{settings.max_images_per_request}", param="messages")
+    return out, urls
 
 
 def _check_model(name: str | None, settings: ServerSettings) -> None:

@@ -32,14 +32,14 @@ from mmkv.server.protocol import (ApiError, ChatCompletionRequest, CompletionReq
                                   template_messages)
 from mmkv.server.responses import Header, chat_completion, completion
 
-UNBOUNDED = 1 << 30  # a batch queues every line it holds: admission never refuses
+UNBOUNDED = 1 << 30  # a batch job queues all it is given: admission never refuses
 CHAT = "/v1/chat/completions"
 URLS = {CHAT: ChatCompletionRequest, "/v1/completions": CompletionRequest}
 
 
 @dataclass(slots=True)
 class _Line:
-    """One input line on its way: its custom_id, what it asks, its engine requests, its result."""
+    """One input line on its way: its custom_id, what it asks, its result."""
 
     custom_id: str | None
     url: str = ""
