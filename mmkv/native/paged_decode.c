@@ -36,75 +36,204 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
     return acc;
 }
 
-/* score[t] = scale * (q . k[t * stride ...]) for t in [start, end). */
-static inline void page_scores(float *restrict score, const float *restrict q, const float *restrict k,
+#if defined(__AVX512F__)
+/* Sixteen keys' lane-wise partial sums folded into one register of their sixteen sums, in key
+ * order (4 levels of shuffle and add) instead of each key's sum reduced on its own. */
+static inline __attribute__((always_inline)) __m512 fold16(const __m512 acc[16]) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                                 _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per lane: one partial sum of each of 4 keys, in order */
+        quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                                 _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)  /* lanes 0+1 and 2+3 of two registers */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+#endif
+
+#if defined(__AVX2__)
+/* Eight keys' lane-wise partial sums folded into one register of their eight sums, in key order
+ * (two levels of horizontal adds and a cross-lane add). */
+static inline __attribute__((always_inline)) __m256 fold8(const __m256 acc[8]) {
+    /* [k0 01, k0 23, k1 01, k1 23 | k0 45, k0 67, k1 45, k1 67] and so on */
+    const __m256 pairs0 = _mm256_hadd_ps(acc[0], acc[1]), pairs1 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 pairs2 = _mm256_hadd_ps(acc[4], acc[5]), pairs3 = _mm256_hadd_ps(acc[6], acc[7]);
+    /* [k0 0-3, k1 0-3, k2 0-3, k3 0-3 | k0 4-7, k1 4-7, k2 4-7, k3 4-7], then keys 4-7 */
+    const __m256 quads0 = _mm256_hadd_ps(pairs0, pairs1), quads1 = _mm256_hadd_ps(pairs2, pairs3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(quads0, quads1, 0x20),
+                         _mm256_permute2f128_ps(quads0, quads1, 0x31));
+}
+
+/* score[t0 .. t0 + n) = sums * scale (n <= 8); returns the largest of them. */
+static inline float store8(float *restrict score, __m256 sums, __m256 scale, int n) {
+    float lanes[8], largest = -INFINITY;
+    _mm256_storeu_ps(lanes, _mm256_mul_ps(sums, scale));
+    for (int t = 0; t < n && t < 8; t++) {
+        score[t] = lanes[t];
+        largest = lanes[t] > largest ? lanes[t] : largest;
+    }
+    return largest;
+}
+#endif
+
+#if defined(__AVX512F__)
+/* score[0 .. n) = the first n lanes of `scores` (n <= 16); returns `best` raised to their largest. */
+static inline __m512 store16(float *restrict score, __m512 scores, int n, __m512 best) {
+    const __mmask16 live = (__mmask16)((1u << (n < 16 ? n : 16)) - 1);
+    _mm512_mask_storeu_ps(score, live, scores);
+    return _mm512_mask_max_ps(best, live, best, scores);
+}
+#endif
+
+/* score[t] = scale * (q . k[t * stride ...]) for t in [start, end); returns the largest. */
+static inline float page_scores(float *restrict score, const float *restrict q, const float *restrict k,
                                int64_t stride, int start, int end, int dim, float scale) {
 #if defined(__AVX512F__)
-    if (dim % 16 == 0) {
-        /* sixteen keys at a time: each key's products summed lane-wise in a register, then the
-         * sixteen registers folded into one of sixteen sums (4 levels of shuffle and add) */
+    if (dim % 16 == 0) {  /* sixteen keys at a time, each key's products summed lane-wise */
+        __m512 best = _mm512_set1_ps(-INFINITY);
         for (int t0 = start; t0 < end; t0 += 16) {
+            const int n = end - t0 < 16 ? end - t0 : 16;
             __m512 acc[16];
-            for (int t = 0; t < 16; t++) {
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t++) {  /* past the range, its last key again (not stored) */
                 acc[t] = _mm512_setzero_ps();
-                if (t0 + t >= end) continue;
-                const float *row = k + (t0 + t) * stride;
+                const float *row = k + (t0 + (t < n ? t : n - 1)) * stride;
                 for (int i = 0; i < dim; i += 16)
                     acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(row + i), acc[t]);
             }
-            __m512 pairs[8], quads[4], halves[2];
-            for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
-                pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
-                                         _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
-            for (int i = 0; i < 4; i++)  /* per lane: one partial sum of each of 4 keys, in order */
-                quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
-                                         _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
-            for (int i = 0; i < 2; i++)  /* lanes 0+1 and 2+3 of two registers */
-                halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
-                                          _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
-            const __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
-                                              _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
-            const int n = end - t0 < 16 ? end - t0 : 16;
-            _mm512_mask_storeu_ps(score + t0, (__mmask16)((1u << n) - 1),
-                                  _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+            best = store16(score + t0, _mm512_mul_ps(fold16(acc), _mm512_set1_ps(scale)), n, best);
         }
-        return;
+        return _mm512_reduce_max_ps(best);
     }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-    if (dim % 8 == 0) {
-        /* eight keys at a time, as above with 8-wide registers: each key's products summed
-         * lane-wise, then the eight registers folded into one of eight sums (two levels of
-         * horizontal adds and a cross-lane add) instead of each key's sum reduced on its own */
+    if (dim % 8 == 0) {  /* eight keys at a time, as above with 8-wide registers */
+        float best = -INFINITY;
         for (int t0 = start; t0 < end; t0 += 8) {
+            const int n = end - t0 < 8 ? end - t0 : 8;
             __m256 acc[8];
+#pragma GCC unroll 8
             for (int t = 0; t < 8; t++) {
                 acc[t] = _mm256_setzero_ps();
-                if (t0 + t >= end) continue;
-                const float *row = k + (t0 + t) * stride;
+                const float *row = k + (t0 + (t < n ? t : n - 1)) * stride;
                 for (int i = 0; i < dim; i += 8)
                     acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(row + i), acc[t]);
             }
-            /* [k0 01, k0 23, k1 01, k1 23 | k0 45, k0 67, k1 45, k1 67] and so on */
-            const __m256 pairs0 = _mm256_hadd_ps(acc[0], acc[1]), pairs1 = _mm256_hadd_ps(acc[2], acc[3]);
-            const __m256 pairs2 = _mm256_hadd_ps(acc[4], acc[5]), pairs3 = _mm256_hadd_ps(acc[6], acc[7]);
-            /* [k0 0-3, k1 0-3, k2 0-3, k3 0-3 | k0 4-7, k1 4-7, k2 4-7, k3 4-7], then keys 4-7 */
-            const __m256 quads0 = _mm256_hadd_ps(pairs0, pairs1), quads1 = _mm256_hadd_ps(pairs2, pairs3);
-            const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(quads0, quads1, 0x20),
-                                              _mm256_permute2f128_ps(quads0, quads1, 0x31));
-            const __m256 scaled = _mm256_mul_ps(sums, _mm256_set1_ps(scale));
-            if (end - t0 >= 8) {
-                _mm256_storeu_ps(score + t0, scaled);
-            } else {
-                float lanes[8];
-                _mm256_storeu_ps(lanes, scaled);
-                for (int t = 0; t < end - t0; t++) score[t0 + t] = lanes[t];
-            }
+            const float largest = store8(score + t0, fold8(acc), _mm256_set1_ps(scale), n);
+            best = largest > best ? largest : best;
         }
-        return;
+        return best;
     }
 #endif
-    for (int t = start; t < end; t++) score[t] = dot(q, k + t * stride, dim) * scale;
+    float best = -INFINITY;
+    for (int t = start; t < end; t++) {
+        score[t] = dot(q, k + t * stride, dim) * scale;
+        best = score[t] > best ? score[t] : best;
+    }
+    return best;
+}
+
+/* The largest magnitude a query row's 16-bit codes may take for int8 keys of `dim` values: a
+ * dot product's 32-bit sum then cannot overflow (dim * limit * 127 < 2^31). */
+static inline int query_code_limit(int dim) {
+    const int64_t fits = INT32_MAX / (127 * (int64_t)dim);
+    return fits < 32767 ? (int)fits : 32767;
+}
+
+/* q16 = round(q / step) with step = max |q| / query_code_limit(dim); returns step (0 for a zero
+ * row). Rounding the query to 16 bits costs it about 1/65534 of its largest element, a
+ * hundredth of what int8 keys already cost (1/254 of theirs). */
+static float quantize_query(int16_t *restrict q16, const float *restrict q, int dim) {
+    float largest = 0.0f;
+    for (int i = 0; i < dim; i++) largest = fabsf(q[i]) > largest ? fabsf(q[i]) : largest;
+    const float step = largest / (float)query_code_limit(dim);
+    const float inverse = step > 0.0f ? 1.0f / step : 0.0f;
+    for (int i = 0; i < dim; i++) q16[i] = (int16_t)lrintf(q[i] * inverse);
+    return step;
+}
+
+/* score[t] = scale * kscale[t * kscale_stride] * (q16 . codes of key t) for t in [start, end),
+ * the key rows `stride` bytes apart: int8 keys attended without decoding them, their dot products
+ * summed in 32-bit integers (16-bit query times 8-bit code, pairs summed per lane). Returns the
+ * largest score. */
+static inline float int8_page_scores(float *restrict score, const int16_t *restrict q16,
+                                    const int8_t *restrict k, int64_t stride, const float *restrict kscale,
+                                    int64_t kscale_stride, int start, int end, int dim, float scale) {
+    int t = start;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (dim % 32 == 0 && dim <= 512) {
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i query[16];  /* the row's codes, 32 a register (dim <= 512 here) */
+        for (int i = 0; i < dim / 32 && i < 16; i++) query[i] = _mm512_loadu_si512((const void *)(q16 + 32 * i));
+        for (; t < end; t += 16) {
+            const int n = end - t < 16 ? end - t : 16;
+            __m512 acc[16];
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) {  /* past the range, its last key again (not stored) */
+                const int8_t *row = k + (t + (j < n ? j : n - 1)) * stride;
+                __m512i sum = _mm512_setzero_si512();
+                for (int i = 0; i < dim / 32; i++) {
+                    const __m512i codes = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + 32 * i)));
+#if defined(__AVX512VNNI__)
+                    sum = _mm512_dpwssd_epi32(sum, query[i], codes);
+#else
+                    sum = _mm512_add_epi32(sum, _mm512_madd_epi16(query[i], codes));
+#endif
+                }
+                acc[j] = _mm512_cvtepi32_ps(sum);
+            }
+            const __mmask16 live = (__mmask16)((1u << n) - 1);
+            const __m512 key_scales = _mm512_mask_i32gather_ps(
+                _mm512_setzero_ps(), live,
+                _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                   _mm512_set1_epi32((int)kscale_stride)),
+                kscale + t * kscale_stride, 4);
+            best = store16(score + t, _mm512_mul_ps(_mm512_mul_ps(fold16(acc), key_scales), _mm512_set1_ps(scale)),
+                           n, best);
+        }
+        return _mm512_reduce_max_ps(best);
+    }
+#endif
+#if defined(__AVX2__)
+    if (dim % 16 == 0) {
+        float best = -INFINITY;
+        for (; t < end; t += 8) {
+            const int n = end - t < 8 ? end - t : 8;
+            __m256 acc[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const int8_t *row = k + (t + (j < n ? j : n - 1)) * stride;
+                __m256i sum = _mm256_setzero_si256();
+                for (int i = 0; i < dim; i += 16) {
+                    const __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + i)));
+                    const __m256i query = _mm256_loadu_si256((const __m256i *)(q16 + i));
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(query, codes));
+                }
+                acc[j] = _mm256_cvtepi32_ps(sum);
+            }
+            float key_scales[8] = {0};
+            for (int j = 0; j < 8 && t + j < end; j++) key_scales[j] = kscale[(t + j) * kscale_stride];
+            const float largest = store8(score + t, _mm256_mul_ps(fold8(acc), _mm256_loadu_ps(key_scales)),
+                                         _mm256_set1_ps(scale), end - t);
+            best = largest > best ? largest : best;
+        }
+        return best;
+    }
+#endif
+    float best = -INFINITY;
+    for (; t < end; t++) {
+        const int8_t *row = k + t * stride;
+        int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < dim; i++) sum += (int32_t)q16[i] * row[i];
+        score[t] = (float)sum * kscale[t * kscale_stride] * scale;
+        best = score[t] > best ? score[t] : best;
+    }
+    return best;
 }
 
 /* a += sum over t in [start, end) of w[t] * v[t * stride ...]: elements of `a` held in registers
@@ -167,29 +296,31 @@ static void widen_bf16(float *restrict dst, const uint16_t *restrict src, int64_
     for (int64_t i = 0; i < count; i++) out[i] = (uint32_t)src[i] << 16;
 }
 
-/* Decode `rows` int8 rows (dim codes, then the row's bfloat16 scale) to float32. */
-static void widen_int8(float *restrict dst, const int8_t *restrict src, int64_t rows, int dim) {
+/* The scale of each of `rows` int8 rows (dim codes, then the row's bfloat16 scale), as float32. */
+static void int8_row_scales(float *restrict scales, const int8_t *restrict src, int64_t rows, int dim) {
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t bits;
+        memcpy(&bits, src + r * (dim + 2) + dim, sizeof bits);
+        const uint32_t wide = (uint32_t)bits << 16;
+        memcpy(scales + r, &wide, sizeof wide);
+    }
+}
+
+/* Widen the codes of `rows` int8 rows to float32, unscaled (the rows' scales are applied to the
+ * weights that multiply them). */
+static void widen_int8_codes(float *restrict dst, const int8_t *restrict src, int64_t rows, int dim) {
     for (int64_t r = 0; r < rows; r++) {
         const int8_t *row = src + r * (dim + 2);
-        uint16_t bits;
-        memcpy(&bits, row + dim, sizeof bits);
-        const uint32_t wide = (uint32_t)bits << 16;
-        float scale;
-        memcpy(&scale, &wide, sizeof scale);
         float *out = dst + r * dim;
         int i = 0;
 #if defined(__AVX512F__)
-        for (; i + 16 <= dim; i += 16) {
-            const __m512i codes = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i)));
-            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(scale)));
-        }
+        for (; i + 16 <= dim; i += 16)
+            _mm512_storeu_ps(out + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i)))));
 #elif defined(__AVX2__)
-        for (; i + 8 <= dim; i += 8) {
-            const __m256i codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i)));
-            _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(scale)));
-        }
+        for (; i + 8 <= dim; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i)))));
 #endif
-        for (; i < dim; i++) out[i] = (float)row[i] * scale;
+        for (; i < dim; i++) out[i] = (float)row[i];
     }
 }
 
@@ -251,8 +382,11 @@ static inline int64_t row_bytes(int format, int dim) {
     }
 }
 
-static void prefetch(const char *start, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(start + at, 0, 3);
+/* Prefetch the `part`-th of `parts` equal runs of the cache lines in [start, start + bytes). */
+static inline void prefetch_part(const char *start, int64_t bytes, int part, int parts) {
+    const int64_t lines = (bytes + 63) / 64;
+    for (int64_t line = lines * part / parts; line < lines * (part + 1) / parts; line++)
+        __builtin_prefetch(start + 64 * line, 0, 3);
 }
 
 typedef struct {
@@ -282,6 +416,9 @@ static inline __attribute__((always_inline)) void attend(
     float *sum = mx + rows;                             /* [rows] */
     float *score = sum + rows;                          /* [block_size] */
     float *widened = score + bs;                        /* [2][block_size][kv_heads][dim], decoded */
+    float *scales = widened + 2 * (int64_t)bs * p->kv_heads * dim;  /* int8: [2][block_size][kv_heads] */
+    float *query_step = scales + 2 * (int64_t)bs * p->kv_heads;     /* int8: [rows] */
+    int16_t *q16 = (int16_t *)(query_step + rows);                  /* int8: [rows][dim] */
     const int64_t state0 = (s * p->kv_heads + h0) * rows_per_head;
     for (int r = 0; r < rows; r++) {
         const float lse = p->init_lse ? p->init_lse[state0 + r] : -INFINITY;
@@ -300,23 +437,35 @@ static inline __attribute__((always_inline)) void attend(
     const int64_t *pages = p->pages + s * p->max_pages;
     const int64_t *positions = p->positions + s * m;
     const float *q = p->q + s * m * p->q_heads * dim;
-    if (next_page) prefetch(p->cache + *next_page * page_bytes, page_bytes);
+    const int int8 = p->format == FORMAT_INT8;
+    for (int r = 0; r < rows && int8; r++) {
+        const int h = h0 + r / rows_per_head, j = (r % rows_per_head) / group, g = r % group;
+        query_step[r] = quantize_query(q16 + (int64_t)r * dim, q + ((int64_t)j * p->q_heads + (int64_t)h * group + g) * dim, dim);
+    }
+    if (next_page) prefetch_part(p->cache + *next_page * page_bytes, page_bytes, 0, 1);
     for (int64_t pg = 0; pg < num_pages; pg++) {
         const int count = (int)(len - pg * bs < bs ? len - pg * bs : bs);
         const char *page = p->cache + pages[pg] * page_bytes;
-        if (pg + 1 < num_pages) prefetch(p->cache + pages[pg + 1] * page_bytes, page_bytes);
-        const float *k, *v;
+        /* the next page comes in a run of lines per row attended, not all at once: a burst of
+         * prefetches stalls on the core's outstanding misses, and a large page would push out
+         * the one being attended */
+        const char *ahead = pg + 1 < num_pages ? p->cache + pages[pg + 1] * page_bytes : NULL;
+        const float *k = NULL, *v;
         const int64_t stride = token;  /* floats from one token's row to the next */
         if (p->format == FORMAT_F32) {
             k = (const float *)page, v = (const float *)page + (int64_t)bs * token;
+        } else if (int8) {  /* keys read as codes; values widened unscaled; both rows' scales */
+            const int64_t page_rows = (int64_t)count * p->kv_heads;
+            int8_row_scales(scales, (const int8_t *)page, page_rows, dim);
+            int8_row_scales(scales + (int64_t)bs * p->kv_heads, (const int8_t *)page + bs * token_bytes, page_rows, dim);
+            widen_int8_codes(widened, (const int8_t *)page + bs * token_bytes, page_rows, dim);
+            v = widened;
         } else {
             for (int half = 0; half < 2; half++) {  /* K, then V */
                 const char *src = page + half * (int64_t)bs * token_bytes;
                 float *dst = widened + half * (int64_t)bs * token;
                 if (p->format == FORMAT_BF16)
                     widen_bf16(dst, (const uint16_t *)src, (int64_t)count * token);
-                else if (p->format == FORMAT_INT8)
-                    widen_int8(dst, (const int8_t *)src, (int64_t)count * p->kv_heads, dim);
                 else
                     widen_fp8(dst, (const uint8_t *)src, (int64_t)count * token, p->fp8_values);
             }
@@ -324,17 +473,20 @@ static inline __attribute__((always_inline)) void attend(
         }
         const int64_t first = p->key_start[s] + pg * bs;
         for (int r = 0; r < rows; r++) {
+            if (ahead) prefetch_part(ahead, page_bytes, r, rows);
             const int h = h0 + r / rows_per_head, j = (r % rows_per_head) / group, g = r % group;
             const int64_t pos = positions[j];
             const int end = (int)(pos - first + 1 < count ? pos - first + 1 : count);
             int start = 0;
             if (p->window > 0 && pos - p->window + 1 > first) start = (int)(pos - p->window + 1 - first);
             if (end <= start) continue;
-            const float *qr = q + ((int64_t)j * p->q_heads + (int64_t)h * group + g) * dim;
-            const float *kh = k + (int64_t)h * dim, *vh = v + (int64_t)h * dim;
-            page_scores(score, qr, kh, stride, start, end, dim, p->scale);
-            float page_max = -INFINITY;
-            for (int t = start; t < end; t++) page_max = score[t] > page_max ? score[t] : page_max;
+            const float page_max = int8 ?
+                int8_page_scores(score, q16 + (int64_t)r * dim, (const int8_t *)page + h * row_bytes(FORMAT_INT8, dim),
+                                 p->kv_heads * row_bytes(FORMAT_INT8, dim), scales + h, p->kv_heads, start, end,
+                                 dim, p->scale * query_step[r]) :
+                page_scores(score, q + ((int64_t)j * p->q_heads + (int64_t)h * group + g) * dim,
+                            k + (int64_t)h * dim, stride, start, end, dim, p->scale);
+            const float *vh = v + (int64_t)h * dim;
             float *a = acc + (int64_t)r * dim;
             if (page_max > mx[r]) {
                 const float correction = expf(mx[r] - page_max);
@@ -350,6 +502,8 @@ static inline __attribute__((always_inline)) void attend(
                 page_sum += score[t];
             }
             sum[r] += page_sum;
+            if (int8)  /* each value row's scale joins its weight */
+                for (int t = start; t < end; t++) score[t] *= scales[((int64_t)bs + t) * p->kv_heads + h];
             weighted_sum(a, score, vh, stride, start, end, dim);
         }
     }
@@ -385,7 +539,8 @@ int mmkv_paged_decode(const float *q, const void *cache, int format, const int64
     const int heads_per_chunk = (kv_heads + chunks - 1) / chunks;
     const int64_t rows = (int64_t)heads_per_chunk * m * p.group;
     const int64_t work_size = rows * dim + 2 * rows + block_size
-                              + 2 * (int64_t)block_size * kv_heads * dim;
+                              + 2 * (int64_t)block_size * kv_heads * (dim + 1)  /* widened pages, scales */
+                              + rows + (rows * dim + 1) / 2;  /* int8: query steps and 16-bit queries */
     float *scratch = malloc(sizeof(float) * work_size * threads);
     if (!scratch) return -1;
 #pragma omp parallel for schedule(static) num_threads(threads)
