@@ -29,7 +29,7 @@ from mmkv.outputs import TokenLogprob
 from mmkv.sampler import sample, token_logprob
 from mmkv.scheduler import ScheduledBatch
 from mmkv.sequence import Sequence
-from mmkv.structured import StepMasks
+from mmkv import structured
 from mmkv.step_context import AttentionBackend, StepContext
 from speculative.config import SpeculativeConfig
 from speculative.proposers import DraftModelSpeculator, EarlyExitSpeculator, Speculator
@@ -152,17 +152,13 @@ class ModelRunner:
     def _run_plain(self, seqs: list[Sequence], q_lens: list[int], result: StepResult) -> None:
         """Compute the scheduled tokens and sample where a sequence's last token was computed.
         When the batch raises, each request runs alone and one that raises alone has failed."""
-        # the sequences whose last token is computed now sample; the masks of those that are
-        # constrained are filled while the forward pass runs
+        # the sequences whose last token is computed now sample
         sampling = [i for i, (s, q) in enumerate(zip(seqs, q_lens)) if s.num_computed + q == len(s.token_ids)]
         constrained = [row for row, i in enumerate(sampling) if seqs[i].params.constrained]
         chosen = [seqs[i] for i in sampling]
-        masks = StepMasks([chosen[row].constraint for row in constrained]) if constrained else None
         try:
             logits = self._forward_plain(seqs, q_lens, sampling)
         except Exception as err:
-            if masks is not None:
-                masks.cancel()
             groups: dict[int, list[int]] = {}
             for i, s in enumerate(seqs):
                 groups.setdefault(s.request_id, []).append(i)
@@ -173,9 +169,10 @@ class ModelRunner:
                 self._run_plain([seqs[i] for i in rows], [q_lens[i] for i in rows], result)
             return
         result.computed.extend(zip(seqs, q_lens))
-        if masks is not None:  # logit biases and grammar masks, every constrained row at once
+        if constrained:  # logit biases and grammar masks, every constrained row at once
             with torch.inference_mode():  # the logits are the forward's inference tensor
-                masks.apply(logits, constrained, [chosen[row].params.logit_bias for row in constrained])
+                structured.apply_masks(logits, constrained, [chosen[row].constraint for row in constrained],
+                                       [chosen[row].params.logit_bias for row in constrained])
         greedy = _greedy_tokens(chosen, logits)
         for row, seq in enumerate(chosen):
             try:
