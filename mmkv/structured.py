@@ -219,22 +219,27 @@ def _add_biases(logits: torch.Tensor, rows: list[int], biases: list[dict[int, fl
 
 def _mask_rows(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """``-inf`` at every token a row's bits (32 tokens a word, lowest bit first) leave out;
-    tokens past the grammar's vocabulary are never allowed."""
+    tokens past the grammar's vocabulary are never allowed. Each byte of the mask is looked up
+    as its 8 tokens' penalties (0 or ``-inf``) and the penalties are added to the rows: on the
+    CPU a lookup and an add cost a tenth of expanding the bits and ``masked_fill_`` (17 against
+    155 µs for 32 rows of 1,024 tokens; ``masked_fill_`` with a bool mask runs element by
+    element)."""
     vocab = logits.shape[-1]
-    allowed = (bitmask.unsqueeze(-1) >> _BITS).bitwise_and_(1).view(len(rows), -1)
-    if allowed.shape[1] >= vocab:
-        allowed = allowed[:, :vocab]
+    penalty = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), _BYTE_PENALTIES).view(len(rows), -1)
+    if penalty.shape[1] >= vocab:
+        penalty = penalty[:, :vocab]
     else:
-        allowed = torch.cat([allowed, allowed.new_zeros(len(rows), vocab - allowed.shape[1])], 1)
-    blocked = (allowed == 0).to(logits.device)
+        penalty = torch.cat([penalty, penalty.new_full((len(rows), vocab - penalty.shape[1]), float("-inf"))], 1)
+    penalty = penalty.to(logits.device, logits.dtype)
     if rows == list(range(rows[0], rows[0] + len(rows))):  # consecutive rows: a view, in place
-        logits[rows[0]:rows[0] + len(rows)].masked_fill_(blocked, float("-inf"))
+        logits[rows[0]:rows[0] + len(rows)].add_(penalty)
     else:
-        target = torch.tensor(rows, device=logits.device)
-        logits.index_copy_(0, target, logits.index_select(0, target).masked_fill_(blocked, float("-inf")))
+        logits.index_add_(0, torch.tensor(rows, device=logits.device), penalty)
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+# a mask byte's 8 tokens, lowest bit first: 0 where allowed, -inf where not (the int32 words are
+# read as bytes in memory order, lowest first: little-endian, as every CPU torch runs on here is)
+_BYTE_PENALTIES = torch.where((torch.arange(256)[:, None] >> torch.arange(8)) & 1 == 1, 0.0, float("-inf"))
 
 
 def _first_line(err: BaseException | str) -> str:

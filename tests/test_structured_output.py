@@ -132,6 +132,27 @@ def test_greedy_output_equals_transformers_with_the_same_mask(model_dirs):
             assert free.outputs[0].token_ids[:len(tokens)] != tokens
 
 
+def test_constrained_rows_among_free_ones_keep_their_own_outputs(model_dirs):
+    """A batch alternating constrained and free requests (the constrained rows not side by side):
+    each gives what it gives in a batch of its own kind (a batch of constrained rows alone is
+    checked against transformers above), so each mask lands on its own row and on no other."""
+    eng = Engine(model_dirs["llama"], device="cpu")
+    prompts = [list(f"prompt number {i}, a few words".encode()) for i in range(6)]
+    specs = [StructuredOutput(regex=r"[a-f]{3}-[0-9]{2}"), StructuredOutput(regex=r"(yes|no)!"),
+             StructuredOutput(json_schema={"type": "object", "properties": {"n": {"type": "integer", "maximum": 99, "minimum": 0}},
+                                           "required": ["n"], "additionalProperties": False})]
+    constrained = [SamplingParams(max_tokens=12, structured=spec) for spec in specs]
+    free = SamplingParams(max_tokens=12)
+    mixed = [p for pair in zip([free] * 3, constrained) for p in pair]  # free, constrained, ...
+    together = [o.outputs[0].token_ids for o in eng.generate(prompts, mixed)]
+    alone = [o.outputs[0].token_ids for o in eng.generate(prompts[1::2], constrained)]
+    plain = [o.outputs[0].token_ids for o in eng.generate(prompts[0::2], [free] * 3)]
+    assert together[1::2] == alone and together[0::2] == plain
+    texts = [bytes(t).decode() for t in alone]  # the byte tokenizer: token ids are the bytes
+    assert re.fullmatch(r"[a-f]{3}-[0-9]{2}", texts[0]) and re.fullmatch(r"(yes|no)!", texts[1])
+    assert isinstance(json.loads(texts[2])["n"], int)
+
+
 def test_logit_bias_moves_the_choice_as_transformers_would(model_dirs):
     """A +100 bias on one token makes greedy decoding pick it; a bias that removes the argmax
     gives transformers' output with the same bias."""

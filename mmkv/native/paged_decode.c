@@ -2,10 +2,12 @@
  * built by mmkv/native).
  *
  * Cache layout (one layer): [num_blocks][2][block_size][kv_heads][row], K then V in a page, a row
- * being head_dim values of the cache's format (mmkv/cache/kv_format.py): float32, bfloat16, int8
- * codes followed by their bfloat16 scale, or fp8 e4m3. A page of any format but float32 is decoded
- * into float32 scratch as it is attended (the rows this call reads, one page at a time), so no
- * decoded copy of the cache is ever made. For each sequence s and KV head h, the m * G query rows (m queries, G query
+ * being head_dim values of the cache's format (cache/kv_format.py): float32, bfloat16, int8
+ * codes followed by their bfloat16 scale, or fp8 e4m3. A bfloat16 or fp8 page is decoded into
+ * float32 scratch as it is attended (the rows this call reads, one page at a time); int8 keys are
+ * attended as they are stored (integer dot products against the query rounded to 16 bits) and
+ * int8 values widened unscaled, each row's scale joining its weight; so no decoded copy of the
+ * cache is ever made. For each sequence s and KV head h, the m * G query rows (m queries, G query
  * heads per KV head) attend the sequence's keys in `pages[s]` (`lens[s]` tokens, the first at
  * absolute position `key_start[s]`): a key at position p is visible to a query at position q when
  * p <= q (and p > q - window with a window). The softmax runs online, page by page (running max,
@@ -16,7 +18,8 @@
  * Work items are a sequence's pages for a range of its KV heads (all of them unless there are too
  * few sequences to keep every thread busy): a page's rows for those heads are read in one sweep,
  * and the next page is prefetched while this one is attended, since the pages a decode step reads
- * have mostly left the caches since they were written.
+ * have mostly left the caches since they were written (a run of its lines per row attended, so
+ * the prefetches overlap the arithmetic).
  */
 #include <math.h>
 #include <omp.h>
