@@ -99,7 +99,7 @@ class RequestPreparer:
         constraint = None
         if params.structured is not None:  # compiled and its matcher made here, off the engine's thread
             try:
-                constraint = self.grammars.constraint(self.grammars.compile(params.structured))
+                constraint = self.grammars.constraint(params.structured)
             except ValueError as err:
                 raise ValueError(f"{label}: {err}") from None
         return PreparedRequest(token_ids, seq_images, params, namespace, stop, rope, constraint)

@@ -10,14 +10,15 @@ matcher per sequence, and applies the masks.
 
 * ``StructuredOutput`` (``mmkv.sampling_params``) says what a request must produce.
 * ``GrammarCache`` compiles it for one tokenizer, on the thread that prepares the request (never
-  the engine's), keeping compiled grammars by their spec; a spec llguidance refuses raises
+  the engine's), keeping each spec's compiled grammar and a matcher of it that each sequence
+  of the spec copies; a spec llguidance refuses raises
   ``ValueError`` naming the problem.
 * ``Constraint`` is one sequence's matcher: it accepts the tokens the sequence appends.
   ``apply_masks`` fills the masks of a step's constrained rows after its forward pass, one
   matcher after another, and applies them and ``logit_bias`` to the step's logits in one batched
   operation, before any sampling filter; ``apply_draft_masks`` does it for a speculative round's
   rows. (Filling the masks on a thread of their own while the forward pass ran was measured
-  slower on a 2-core CPU, 0.80–0.86× of unconstrained decoding at batch 32 against 0.86–0.89×:
+  slower on a 2-core CPU, 0.86–0.88× of unconstrained decoding at batch 32 against 0.876–0.895×:
   the forward pass already keeps every core busy; so was llguidance's parallel executor.)
 
 Invariant: a constrained sequence only ever appends tokens its matcher accepts (its mask allows no
@@ -61,22 +62,32 @@ class GrammarCache:
             self.tokenizer = llguidance.LLTokenizer(
                 llguidance.TokenizerWrapper(_DecodedVocabulary(tokenizer, vocab_size, eos[0])),
                 n_vocab=vocab_size, eos_token=eos)
-        self._grammars: OrderedDict[tuple, str] = OrderedDict()
-        self._fresh: OrderedDict[str, object] = OrderedDict()  # a grammar's unused matcher, copied
+        # by spec: its compiled grammar and a matcher of it at its start, never used but copied
+        self._grammars: OrderedDict[tuple, tuple[str, object]] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput) -> str:
+        return self._entry(spec)[0]
+
+    def constraint(self, spec: StructuredOutput) -> Constraint:
+        """A fresh matcher of ``spec``: a copy of the one kept for it (building a matcher parses
+        the grammar and builds its lexer, about 300 µs on the bundled model's schema; copying
+        one, 0.5 µs)."""
+        return Constraint(self._entry(spec)[1].deep_copy(), self)
+
+    def _entry(self, spec: StructuredOutput) -> tuple[str, object]:
         key = spec.key()
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
         grammar = self._compile(spec)
+        entry = grammar, self.llguidance.LLMatcher(self.tokenizer, grammar)
         with self._lock:
-            self._grammars[key] = grammar
+            self._grammars[key] = entry
             while len(self._grammars) > GRAMMARS_KEPT:
                 self._grammars.popitem(last=False)
-        return grammar
+        return entry
 
     def _compile(self, spec: StructuredOutput) -> str:
         matcher, kind = self.llguidance.LLMatcher, spec.kind
@@ -106,21 +117,6 @@ class GrammarCache:
         """An empty mask of ``rows`` rows (int32, 32 tokens a word)."""
         return torch.zeros((rows, -(-self.vocab_size // 32)), dtype=torch.int32)
 
-    def constraint(self, grammar: str) -> Constraint:
-        """A fresh matcher of a compiled ``grammar``: a copy of one kept unused per grammar
-        (building a matcher parses the grammar and builds its lexer, about 300 µs on the bundled
-        model's schema; copying one, 0.5 µs)."""
-        with self._lock:
-            fresh = self._fresh.get(grammar)
-            if fresh is not None:
-                self._fresh.move_to_end(grammar)
-        if fresh is None:
-            fresh = self.llguidance.LLMatcher(self.tokenizer, grammar)
-            with self._lock:
-                self._fresh[grammar] = fresh
-                while len(self._fresh) > GRAMMARS_KEPT:
-                    self._fresh.popitem(last=False)
-        return Constraint(fresh.deep_copy(), self)
 
 
 class Constraint:
