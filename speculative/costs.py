@@ -1,37 +1,19 @@
 """What a forward pass costs, learned online from the passes the engine times.
 
-Passes are of five kinds: ``plain`` decoding, a ``verify`` pass, a round's first draft pass
-(``first_draft``), its later ``draft`` passes, and a draft model's ``catch_up`` pass over the
-positions it skipped. A plain pass is a verification pass with no drafts (the target model over
-each sequence's pending rows), so the two share one fit, the *target* fit; the draft passes
-share the *draft* fit; a catch-up pass, a prompt chunk through the draft model (hundreds of
-rows of a few sequences), has a fit of its own, so its many cheap rows do not lower the row cost
-of the one-row-per-sequence draft passes:
+Five kinds of pass: ``plain`` decoding, ``verify``, a round's ``first_draft`` and later ``draft``
+passes, and a draft model's ``catch_up`` over positions it skipped. A plain pass is a verification
+pass with no drafts, so the two share the *target* fit (every round keeps plain decoding's cost
+current); the draft passes share the *draft* fit; catch-ups (many rows of few sequences) have their
+own. Each fit is
 
     seconds = θ0 + θ1 · rows / 16 + θ2 · sequences / 16 + θ3 · context / 16384 + θ4 · extra
 
-(``rows``: the query tokens of the pass; ``sequences``: how many sequences they belong to;
-``context``: the tokens they attend to, summed over rows; ``extra``: 1 for a verification pass or
-a round's first draft pass, 0 for the others). A pass costs mostly per sequence (its attention
-metadata and kernel calls, its sampling) and little per further row of a sequence, so sequences
-and rows are separate terms: a fit on rows alone would charge every draft row a sequence's cost.
-The extra term is what a verification pass costs beyond a plain one over the same rows (it gathers
-the drafts' hidden states and reads the logits of every row), and what a round's first draft pass
-costs beyond a later one (it plans the step's attention afresh; later passes move that plan on a
-position).
-
-The fit is exponentially weighted least squares with every coefficient but θ0 at least 0: every
-observation multiplies the past's weight by ``decay``, so the fit follows the batch and the
-contexts as they move, and a pass never costs less for more rows, sequences or context. A small
-ridge term makes one observation enough for a usable (minimum-norm) fit. Interference only ever
-adds time (a pass that met another process on a shared core), so the fit leans on the fast
-passes: an observation above the prediction of the last fit solved from passes weighs
-``SLOW_WEIGHT``, and one more than ``SPIKE`` times that prediction counts as ``SPIKE`` times it.
-A fit read before any pass predicts nothing, and no observation is weighed against it.
-
-Why shared: plain decoding's cost is what every round is weighed against, and while rounds run
-there are no plain passes to time; sharing the target fit, every verification pass keeps plain
-decoding's cost current.
+(``rows``: query tokens; ``sequences``: how many sequences they belong to, since a pass costs
+mostly per sequence; ``context``: tokens attended, summed over rows; ``extra``: 1 for a
+verification pass or a round's first draft pass), exponentially weighted least squares with every
+coefficient but θ0 at least 0 and a small ridge. Interference only adds time, so the fit leans on
+the fast passes: an observation above the last solved fit's prediction weighs ``SLOW_WEIGHT`` and
+counts as at most ``SPIKE`` times it. A fit read before any pass predicts nothing.
 
 Invariant: every prediction is the current fit's, and positive. What each rule measured:
 docs/speculation.md (Pass costs).
@@ -128,19 +110,11 @@ class LinearFit:
 
     @property
     def theta(self) -> tuple[float, ...]:
-        """The ridge fit whose slopes are at least 0: a pass never costs less for more rows,
-        sequences or context, or for being of the kind that pays the extra fixed cost.
-        Unconstrained, features that rise together (every row of a workload attends about the
-        same context) trade their slopes off, and a negative one priced some passes at nothing.
-
-        Solved by active sets: the fit over the free coefficients (at first all); a negative
-        slope is held at 0 and the fit solved again; once every free slope is at least 0, a held
-        one whose gradient says the error falls if it grows is freed. A fit where neither applies
-        meets the optimality conditions of this convex problem, so it is the constrained optimum
-        from whichever set it starts; it starts from the last solve's, which a few more passes
-        seldom change (then one solve and one gradient suffice); should the sets cycle, every
-        set is tried. The solves run in plain Python on 5 x 5 lists: at that size numpy's
-        per-call overhead would outweigh the arithmetic."""
+        """The ridge fit whose slopes are at least 0 (a pass never costs less for more rows,
+        sequences or context), by active sets: a negative slope is held at 0 and the fit solved
+        again; a held one whose gradient says the error falls if it grows is freed. Where neither
+        applies the optimality conditions of this convex problem hold. Each solve starts from the
+        last one's set; should the sets cycle, every set is tried."""
         if self._theta is None:
             gram, moment = self.gram.tolist(), self.moment.tolist()
             free = list(self._free)

@@ -356,17 +356,22 @@ class DraftModelSpeculator(Speculator):
         """Prompt chunks run through the draft too while the controller has lately been running
         rounds (``drafting_lately``); otherwise, and on pure decoding passes, the draft falls
         behind and catches up in one pass when its sequence next joins a round (``_catch_up``),
-        so a workload the controller decodes plainly never pays for the draft's prefill."""
+        so a workload the controller decodes plainly never pays for the draft's prefill. Where a
+        chunk follows positions the draft has not computed (a cached prefix whose blocks hold no
+        draft K/V), the draft runs one catch-up pass through the chunk's end instead."""
         if all(q == 1 for q in q_lens):
             return
         for seq in seqs:
             self._watermark(seq)  # what its blocks held before this chunk
         if not self.controller.drafting_lately():
             return
+        if any(s.draft_valid < s.num_computed for s in seqs):
+            ends = {id(s): s.num_computed + q for s, q in zip(seqs, q_lens)}
+            self._catch_up(seqs, lambda s: ends[id(s)])
+            return
         self._forward_draft(input_ids, step)
         for seq, q in zip(seqs, q_lens):
-            if seq.draft_valid >= seq.num_computed:
-                self._drafted_through(seq, seq.num_computed, seq.num_computed + q)
+            self._drafted_through(seq, seq.num_computed, seq.num_computed + q)
 
     def _behind(self, seqs: list[Sequence]) -> list[int]:
         return [len(s.token_ids) - 1 - self._watermark(s) for s in seqs]
@@ -386,14 +391,16 @@ class DraftModelSpeculator(Speculator):
         super()._begin(seqs)
         self._catch_up(seqs)
 
-    def _catch_up(self, seqs: list[Sequence]) -> None:
-        """The draft's K/V for the positions it has not computed (all but the pending token,
-        which pass 0 computes), in one pass."""
-        behind = [(s, self._watermark(s)) for s in seqs]
-        behind = [(s, v) for s, v in behind if v < len(s.token_ids) - 1]
+    def _catch_up(self, seqs: list[Sequence],
+                  end: Callable[[Sequence], int] = lambda s: len(s.token_ids) - 1) -> None:
+        """The draft's K/V for the positions it has not computed up to ``end(seq)`` (by
+        default all but the pending token, which pass 0 computes), in one pass."""
+        behind = [(s, self._watermark(s), end(s)) for s in seqs]
+        behind = [(s, v, e) for s, v, e in behind if v < e]
         if not behind:
             return
-        ends = [len(s.token_ids) - 1 for s, _ in behind]
+        ends = [e for _, _, e in behind]
+        behind = [(s, v) for s, v, _ in behind]
         step = self.context([s for s, _ in behind], [e - v for (_, v), e in zip(behind, ends)], ends,
                             images=False)
         ids = longs([t for (s, v), e in zip(behind, ends) for t in s.token_ids[v:e]],

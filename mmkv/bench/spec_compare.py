@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.rounds < 1 or args.batch < 1:
         raise SystemExit(f"--rounds and --batch must be at least 1, got {args.rounds} and {args.batch}")
     try:
-        settings = Settings.parse(args.settings)
+        settings = parse_settings(args.settings)
     except ValueError as err:
         raise SystemExit(f"--set {err}") from None
     requests = args.requests or (8 if args.batch == 1 else 32)
@@ -81,6 +81,24 @@ def run(args: argparse.Namespace) -> dict:
     result.update({f"drafted_{name}": count for name, count in drafted.items()})
     result["outputs_equal"] = equal
     return result
+
+
+def parse_settings(assignments: list[str]) -> Settings:
+    """``Settings`` from ``NAME=VALUE`` strings (the others the defaults); a name that is not a
+    setting, or a value of the wrong type, raises ``ValueError`` naming it."""
+    kinds = {"int": (int, "an integer"), "float": (float, "a number")}
+    types = {f.name: kinds[f.type] for f in fields(Settings)}
+    values = {}
+    for assignment in assignments:
+        name, sep, value = assignment.partition("=")
+        if not sep or name not in types:
+            raise ValueError(f"{assignment!r}: expected NAME=VALUE with NAME one of {sorted(types)}")
+        convert, kind = types[name]
+        try:
+            values[name] = convert(value)
+        except ValueError:
+            raise ValueError(f"{assignment!r}: {name} takes {kind}") from None
+    return Settings(**values)
 
 
 def _changed(settings: Settings) -> dict:
