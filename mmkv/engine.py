@@ -114,7 +114,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, self.scheduler_config, self.model.text_rebuild_flops, self.model.device.type,
             self.image_kv,
-            (lambda seqs: speculator.plan(seqs, self.max_model_len)) if speculator else None,
+            (lambda seqs, prompts: speculator.plan(seqs, self.max_model_len, prompts))
+            if speculator else None,
             vision=self.model.vision)
         self.postprocessor = Postprocessor(self.scheduler, self.kv, self.requests,
                                            self.preparer.decode, self.max_model_len,

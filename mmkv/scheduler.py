@@ -157,12 +157,13 @@ class Scheduler:
 
     ``image_kv`` holds cross-attention models' image K/V (admitting a sequence acquires its
     images'); ``draft_lengths`` is the draft-length controller of a speculating engine: for the
-    decoding sequences that may speculate, how many tokens each drafts this step."""
+    decoding sequences that may speculate, and whether the step also carries prompt chunks, how
+    many tokens each drafts this step."""
 
     def __init__(self, kv: KVCache, config: SchedulerConfig,
                  rebuild_flops: Callable[[int, int], float], device_type: str,
                  image_kv: CrossAttentionKV | None = None,
-                 draft_lengths: Callable[[list[Sequence]], list[int]] | None = None,
+                 draft_lengths: Callable[[list[Sequence], bool], list[int]] | None = None,
                  clock: Callable[[], float] | None = None, vision: VisionPipeline | None = None) -> None:
         self.kv = kv
         self.vision = vision  # encodes in-prompt images at admission (``_count_reuse``)
@@ -253,7 +254,7 @@ class Scheduler:
                 q_lens.append(q)
         if not candidates:
             return batch
-        lengths = self.draft_lengths(candidates)
+        lengths = self.draft_lengths(candidates, bool(seqs))
         if not any(lengths):
             return ScheduledBatch(seqs + candidates, q_lens + [1] * len(candidates), [], [], batch.failed)
         reserved = []

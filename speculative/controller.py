@@ -78,9 +78,6 @@ class Settings:
     calibrate: int = CALIBRATE
 
 
-State = tuple[list[int], list[tuple[int, int]] | None, list[int] | None]
-
-
 class DraftLengthController:
     """Chooses draft lengths and learns from every pass it is told about.
 
@@ -134,10 +131,11 @@ class DraftLengthController:
         return self.decide(histories, lambda: limits, lambda: (lengths, progress, behind))
 
     def decide(self, histories: list[DraftHistory], limits: Callable[[], list[int]],
-               state: Callable[[], State]) -> list[int]:
+               state: Callable[[], tuple], beside_prompts: bool = False) -> list[int]:
         """``choose`` with its ``limits`` from ``limits()``, called for every step but a held
         plain one, and its ``lengths``, ``progress`` and ``behind`` from ``state()``, called only
-        for a step that is priced or explores (a held step needs neither)."""
+        for a step that is priced or explores (a held step needs neither). A step ``beside_prompts``
+        (it carries prompt chunks, whose pass its plain decoding joins) does not explore."""
         if self._script:
             length = self._script.popleft()
             caps = [min(length, limit) for limit in limits()]
@@ -146,7 +144,7 @@ class DraftLengthController:
         elif (held := self._held(histories)) is not None:
             caps = [min(held, limit) for limit in limits()] if held else [0] * len(histories)
         else:
-            caps = self._caps(limits(), *state())
+            caps = self._caps(limits(), *state(), beside_prompts)
         for history in histories:
             history.decisions += 1
         self.decisions += len(caps)
@@ -206,7 +204,7 @@ class DraftLengthController:
         self.costs.observe(kind, rows, context, seconds, sequences)
 
     def _caps(self, limits: list[int], lengths: list[int], progress: list[tuple[int, int]] | None,
-              behind: list[int] | None) -> list[int]:
+              behind: list[int] | None, beside_prompts: bool = False) -> list[int]:
         batch = len(limits)
         if not any(limits):
             self._hold = None
@@ -214,6 +212,8 @@ class DraftLengthController:
         explore, costs = self.settings.explore, self.costs
         if costs.count("verify") < explore or self.acceptance.version < explore:
             self._hold = None
+            if beside_prompts:
+                return [0] * batch
             if costs.count("plain") and costs.count("verify") and not self._pays(
                     limits, lengths, progress, behind, sure=True):
                 self.planned += 1  # not even a draft that is always right would pay

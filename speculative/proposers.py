@@ -135,11 +135,12 @@ class Speculator(ABC):
                        lens: list[int]) -> torch.Tensor:
         """The target's logits at the ``gamma + 1`` positions of every sequence, packed."""
 
-    def plan(self, seqs: list[Sequence], max_model_len: int) -> list[int]:
+    def plan(self, seqs: list[Sequence], max_model_len: int, beside_prompts: bool = False) -> list[int]:
         """Each sequence's draft length for the next round (the controller's choice; all 0:
         decode plainly), at most ``num_tokens`` and one less than the tokens it may still
-        generate (its ``max_tokens``, and ``max_model_len`` positions in all). What it may still
-        generate is read only for a step that does not keep a held plain decision."""
+        generate (its ``max_tokens``, and ``max_model_len`` positions in all); ``beside_prompts``:
+        the step also carries prompt chunks. What it may still generate is read only for a step
+        that does not keep a held plain decision."""
         known: list[list[int]] = []
 
         def left() -> list[int]:
@@ -152,7 +153,8 @@ class Speculator(ABC):
             [self._history(s) for s in seqs],
             lambda: [max(0, min(self.config.num_tokens, n - 1)) for n in left()],
             lambda: ([len(s.token_ids) for s in seqs],
-                     [(s.num_generated, n) for s, n in zip(seqs, left())], self._behind(seqs)))
+                     [(s.num_generated, n) for s, n in zip(seqs, left())], self._behind(seqs)),
+            beside_prompts)
 
     def finished(self, generated: int) -> None:
         """A sequence ended by itself (a stop token or string) after generating ``generated``

@@ -119,7 +119,7 @@ def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
                    "--repeats", "1", "--seconds", "0")
     assert result["outputs_equal"] is True
     cells = [f"{name}_{load}_b{b}" for name in ("early_exit", "draft")
-             for load in ("scenes", "summaries", "short") for b in (1, 2)]
+             for load in ("scenes", "summaries", "short", "mixed") for b in (1, 2)]
     assert result["min_speedup"] == min(result[f"speedup_{cell}"] for cell in cells) > 0
     versus = {cell: round(result[f"speedup_{cell}"] / max(1.0, result[f"fixed_{cell}"]), 3) for cell in cells}
     assert all(result[f"controller_vs_best_fixed_{cell}"] == v for cell, v in versus.items())
@@ -208,7 +208,7 @@ def test_no_warm_up_shares_a_block_or_an_image_with_its_workload():
     loads, warm = spec_bench.workloads(32, 11), spec_bench.warm_ups(11)
     assert set(warm) == set(loads)
     assert not _shares_a_block(encode(warm["summaries"][0]), [encode(t) for t in loads["summaries"]])
-    for load in ("scenes", "short"):  # each warm-up a scene the workload never shows
+    for load in ("scenes", "short", "mixed"):  # each warm-up a scene the workload never shows
         pixels = {p["images"][0].tobytes() for p in loads[load] if isinstance(p, dict)}
         assert warm[load][0]["images"][0].tobytes() not in pixels
     texts = [t for t in loads["short"] if isinstance(t, str)]

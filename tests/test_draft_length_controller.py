@@ -401,6 +401,18 @@ def test_exploring_rounds_draft_for_at_most_explore_sequences_and_only_priced_ro
     assert few.choose(histories, [3] * 5, [10] * 5) == [0] * 5 and not few.drafting_lately()
 
 
+def test_a_step_that_carries_prompt_chunks_does_not_explore():
+    """Plain decoding rides the pass of a step's prompt chunks at little cost; an exploring round
+    beside them is a verification pass of its own (a batch of 32 summaries explored while its
+    last prompts were prefilled, about 5 ms a step). So such a step decodes plainly, holding
+    nothing, and the next step without prompts explores."""
+    controller = DraftLengthController(4)
+    histories = [controller.new_history() for _ in range(3)]
+    limits, state = lambda: [3] * 3, lambda: ([10] * 3, None, None)
+    assert controller.decide(histories, limits, state, beside_prompts=True) == [0] * 3
+    assert controller.decide(histories, limits, state) == [EXPLORE_LENGTH] * 3
+
+
 def trained_on_catch_ups() -> tuple[DraftLengthController, list]:
     """Three sequences with a draft always right, rounds of 4 drafts that pay well, and a
     catch-up pass costing 0.1 ms and 1 us a row."""

@@ -458,7 +458,7 @@ def test_a_draft_model_runs_only_for_the_sequences_that_draft(model_dirs, hf_ora
     eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
     turns = iter(range(1000))
 
-    def decide(histories, limits, state):  # two steps for one, two for the other
+    def decide(histories, limits, state, beside_prompts=False):  # two steps for one, two for the other
         turn = next(turns) // 2 % 2
         return [min(2, limit) if i % 2 == turn else 0 for i, limit in enumerate(limits())]
 
@@ -492,12 +492,12 @@ def test_a_draft_model_tells_the_controller_how_far_behind_each_sequence_is(mode
     seen = []
     original = type(controller).decide
 
-    def decide(self, histories, limits, state):  # what each decision that reads the state sees
+    def decide(self, histories, limits, state, beside_prompts=False):  # what each state read sees
         def seen_state():
             lengths, progress, behind = state()
             seen.append(list(zip(behind, progress)))
             return lengths, progress, behind
-        return original(self, histories, limits, seen_state)
+        return original(self, histories, limits, seen_state, beside_prompts)
 
     monkeypatch.setattr(type(controller), "decide", decide)
     passes = []

@@ -3,12 +3,13 @@ draft model, each with the draft-length controller on, at batch sizes 1, 8 and 3
 transformers' assisted generation on the same weights as the peer.
 
 Workloads: scene descriptions (``describe the scene.``, ~46 answer tokens), report summaries
-(``summarise the report.``, ~25 tokens) and ``short``: short questions about scenes and reports
-alternately (2-8 tokens; no controller setting was tuned on it), greedy. Every cell of {scenes,
-summaries, short} x {1, 8, 32} x {early exit, draft model} is a speedup over plain decoding of the
-same prompts at the same batch size in the same run; ``min_speedup`` is the least of them. Each
-method also runs with fixed rounds (``draft_length="fixed"``: every round drafts ``--num-tokens``,
-each sequence stopping where its draft is unsure): ``fixed_<cell>``, and
+(``summarise the report.``, ~25 tokens), ``short``: short questions about scenes and reports
+alternately (2-8 tokens), and ``mixed``: scene descriptions and report summaries alternately,
+arriving together (no controller setting was tuned on it), greedy. Every cell of {scenes,
+summaries, short, mixed} x {1, 8, 32} x {early exit, draft model} is a speedup over plain
+decoding of the same prompts at the same batch size in the same run; ``min_speedup`` is the
+least of them. Each method also runs with fixed rounds (``draft_length="fixed"``: every round
+drafts ``--num-tokens``, each sequence stopping where its draft is unsure): ``fixed_<cell>``, and
 ``controller_vs_best_fixed_<cell>`` the controller's speedup over the better of fixed rounds and
 plain decoding (``controller_vs_best_fixed_min``: the least over cells). Batch 1 serves the first
 ``--batch1-requests`` prompts one at a time, batches 8 and 32 serve all ``--requests``.
@@ -99,9 +100,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def workloads(n: int, seed: int) -> dict[str, list]:
-    """``n`` prompts of each workload, drawn from ``seed``: scene descriptions, report summaries
-    and ``short``, short questions (a count, a colour, a field of a report: 2-8 answer tokens)
-    about scenes and reports alternately, a workload no controller setting was tuned on."""
+    """``n`` prompts of each workload, drawn from ``seed``: scene descriptions, report summaries,
+    ``short``, short questions (a count, a colour, a field of a report: 2-8 answer tokens) about
+    scenes and reports alternately, and ``mixed``, the scene descriptions and report summaries
+    alternately, arriving together (a workload no controller setting was tuned on)."""
     rng = random.Random(seed)
     scenes = [{"prompt": scene_prompt("describe the scene."), "images": [random_scene(rng).render()]}
               for _ in range(n)]
@@ -116,7 +118,8 @@ def workloads(n: int, seed: int) -> dict[str, list]:
             report = random_report(rng)
             asked = [qa for qa in report_questions(report) if qa.kind != "summary"]
             short.append(document_prompt(report, rng.choice(asked).question))
-    return {"scenes": scenes, "summaries": docs, "short": short}
+    mixed = [scenes[i] if i % 2 == 0 else docs[i] for i in range(n)]
+    return {"scenes": scenes, "summaries": docs, "short": short, "mixed": mixed}
 
 
 def warm_ups(seed: int) -> dict[str, list]:

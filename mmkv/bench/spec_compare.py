@@ -27,7 +27,7 @@ from speculative import SpeculativeConfig
 from speculative.controller import Settings
 
 METHODS = ("early_exit", "draft_model")
-LOADS = ("scenes", "summaries", "short")
+LOADS = ("scenes", "summaries", "short", "mixed")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
