@@ -103,7 +103,7 @@ class DraftLengthController:
         self.histories: deque[DraftHistory] = deque(maxlen=HISTORIES_KEPT)
         self.planned = 0  # decisions priced (the rest were held or explored)
         self._script: deque[int] = deque()  # ``follow_script``'s lengths still to draft
-        self._hold: tuple[int, int, int] | None = None  # the held round length (0: plain), size class, steps left
+        self._hold: tuple[bool, int, int] | None = None  # the held decision: a round?, size class, steps left
         self._spans: dict[tuple[bool, int], int] = {}  # (a round?, size class) -> its last hold's span
 
     def follow_script(self, lengths: Iterable[int]) -> None:
@@ -142,7 +142,7 @@ class DraftLengthController:
         elif self.fixed:
             caps = list(limits())
         elif (held := self._held(histories)) is not None:
-            caps = [min(held, limit) for limit in limits()] if held else [0] * len(histories)
+            caps = list(limits()) if held else [0] * len(histories)
         else:
             caps = self._caps(limits(), *state(), beside_prompts)
         for history in histories:
@@ -152,29 +152,28 @@ class DraftLengthController:
         self.plain_steps += not any(caps)
         return caps
 
-    def _held(self, histories: list[DraftHistory]) -> int | None:
-        """The held round length (0: plain) if this step keeps it (and counts it off), else None."""
+    def _held(self, histories: list[DraftHistory]) -> bool | None:
+        """The held decision (a round?) if this step keeps it (and counts it off), else None."""
         if self._hold is None:
             return None
-        length, size_class, left = self._hold
+        round_, size_class, left = self._hold
         now = len(histories).bit_length()
-        if left == 0 or (now > size_class if length else
+        if left == 0 or (now > size_class if round_ else
                          now < size_class or any(h.decisions == 0 for h in histories)):
             return None  # a plain hold ends when a sequence joins
-        self._hold = (length, size_class, left - 1)
-        return length
+        self._hold = (round_, size_class, left - 1)
+        return round_
 
-    def _hold_after(self, length: int, batch: int, far: bool = False) -> None:
-        """Hold a priced decision (a round of ``length``, 0: plain) for twice the span of the
-        last one of its kind in this size class (``far``: the longest span at once); the other
-        kind's span there starts again."""
-        round_ = length > 0
+    def _hold_after(self, round_: bool, batch: int, far: bool = False) -> None:
+        """Hold a priced decision (a round, or plain decoding) for twice the span of the last
+        one of its kind in this size class (``far``: the longest span at once); the other kind's
+        span there starts again."""
         size_class, self.rounds_priced = batch.bit_length(), round_
         longest = self.settings.round_hold_max if round_ else self.settings.hold_max
         span = longest if far else min(longest, 2 * self._spans.get((round_, size_class), 0)) or 1
         self._spans[(round_, size_class)] = span
         self._spans.pop((not round_, size_class), None)
-        self._hold = (length, size_class, span)
+        self._hold = (round_, size_class, span)
 
     def drafting_lately(self) -> bool:
         """Whether the last priced decision was a round: while it was not, a draft model's K/V of
@@ -217,7 +216,7 @@ class DraftLengthController:
             if costs.count("plain") and costs.count("verify") and not self._pays(
                     limits, lengths, progress, behind, sure=True):
                 self.planned += 1  # not even a draft that is always right would pay
-                self._hold_after(0, batch, far=True)
+                self._hold_after(False, batch, far=True)
                 return [0] * batch
             caps, room = [], self.explore_sequences or batch
             for limit in limits:
@@ -229,7 +228,7 @@ class DraftLengthController:
             return [0] * batch  # no pricing before a plain pass is timed
         self.planned += 1
         pays = self._pays(limits, lengths, progress, behind)
-        self._hold_after(self.positions if pays else 0, batch)
+        self._hold_after(pays, batch)
         return list(limits) if pays else [0] * batch
 
     def _pays(self, limits: list[int], lengths: list[int], progress: list[tuple[int, int]] | None,

@@ -368,8 +368,7 @@ class DraftModelSpeculator(Speculator):
         if not self.controller.drafting_lately():
             return
         if any(s.draft_valid < s.num_computed for s in seqs):
-            ends = {id(s): s.num_computed + q for s, q in zip(seqs, q_lens)}
-            self._catch_up(seqs, lambda s: ends[id(s)])
+            self._catch_up(seqs, [s.num_computed + q for s, q in zip(seqs, q_lens)])
             return
         self._forward_draft(input_ids, step)
         for seq, q in zip(seqs, q_lens):
@@ -393,25 +392,22 @@ class DraftModelSpeculator(Speculator):
         super()._begin(seqs)
         self._catch_up(seqs)
 
-    def _catch_up(self, seqs: list[Sequence],
-                  end: Callable[[Sequence], int] = lambda s: len(s.token_ids) - 1) -> None:
-        """The draft's K/V for the positions it has not computed up to ``end(seq)`` (by
-        default all but the pending token, which pass 0 computes), in one pass."""
-        behind = [(s, self._watermark(s), end(s)) for s in seqs]
-        behind = [(s, v, e) for s, v, e in behind if v < e]
+    def _catch_up(self, seqs: list[Sequence], ends: list[int] | None = None) -> None:
+        """The draft's K/V for the positions it has not computed up to ``ends`` (by default
+        all but each sequence's pending token, which pass 0 computes), in one pass."""
+        if ends is None:
+            ends = [len(s.token_ids) - 1 for s in seqs]
+        behind = [(s, v, e) for s, e in zip(seqs, ends) if (v := self._watermark(s)) < e]
         if not behind:
             return
-        ends = [e for _, _, e in behind]
-        behind = [(s, v) for s, v, _ in behind]
-        step = self.context([s for s, _ in behind], [e - v for (_, v), e in zip(behind, ends)], ends,
-                            images=False)
-        ids = longs([t for (s, v), e in zip(behind, ends) for t in s.token_ids[v:e]],
-                    step.batch.positions.device)
+        step = self.context([s for s, _, _ in behind], [e - v for _, v, e in behind],
+                            [e for _, _, e in behind], images=False)
+        ids = longs([t for s, v, e in behind for t in s.token_ids[v:e]], step.batch.positions.device)
         start = self.started()
         self._forward_draft(ids, step)
-        attended = sum(e * (e + 1) - v * (v + 1) for (_, v), e in zip(behind, ends)) // 2
+        attended = sum(e * (e + 1) - v * (v + 1) for _, v, e in behind) // 2
         self.observe("catch_up", ids.shape[0], attended, start, len(behind))
-        for (seq, valid), end in zip(behind, ends):
+        for seq, valid, end in behind:
             self._drafted_through(seq, valid, end)
 
     def _forward_draft(self, ids: torch.Tensor, step, rows: torch.Tensor | None = None) -> torch.Tensor:

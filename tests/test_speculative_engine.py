@@ -432,9 +432,10 @@ def test_a_draft_model_skipped_at_prefill_is_filled_in_not_trusted(model_dirs, h
     caught_up = []
     original = type(eng.speculator)._catch_up
 
-    def catch_up(self, seqs, *end):
-        caught_up.extend((end[0](s) if end else len(s.token_ids) - 1) - self._watermark(s) for s in seqs)
-        return original(self, seqs, *end)
+    def catch_up(self, seqs, ends=None):
+        caught_up.extend(e - self._watermark(s)
+                         for s, e in zip(seqs, ends or [len(s.token_ids) - 1 for s in seqs]))
+        return original(self, seqs, ends)
 
     monkeypatch.setattr(type(eng.speculator), "_catch_up", catch_up)
     batch = [doc + [7, 8], other + [9, 10]]
