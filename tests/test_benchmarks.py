@@ -137,7 +137,8 @@ def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     assert result["draft_extra_blocks_early_exit"] == (result["peak_blocks_early_exit_b2"]
                                                        - result["peak_blocks_plain_b2"])
     assert (tmp_path / "speedup.png").stat().st_size > 0
-    floor = [result[f"plain_vs_plain_{load}_b{b}"] for load in ("scenes", "summaries", "short") for b in (1, 2)]
+    floor = [result[f"plain_vs_plain_{load}_b{b}"] for load in ("scenes", "summaries", "short", "mixed")
+             for b in (1, 2)]
     assert result["plain_vs_plain_range"] == [min(floor), max(floor)] and min(floor) > 0
     assert all(result[f"decode_speedup_{cell}"] > 0 for cell in cells)
     assert 0 < result["prefill_share_plain_b1"] < 1 and 0 < result["prefill_share_plain_b2"] < 1
@@ -167,7 +168,7 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
     spec_bench.add_arguments(parser)
     result = spec_bench.run(parser.parse_args(["--batches", "8", "--requests", "2", "--all-accepted",
                                                "--chart", str(tmp_path / "chart.png")]))
-    for load in ("scenes", "summaries", "short"):
+    for load in ("scenes", "summaries", "short", "mixed"):
         assert result[f"all_accepted_early_exit_{load}_b8"] == 4.0
         assert result[f"all_accepted_draft_{load}_b8"] == 0.5
     assert result["all_accepted_early_exit_b8"] == 4.0 and result["all_accepted_draft_b8"] == 0.5
