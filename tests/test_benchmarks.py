@@ -124,7 +124,7 @@ def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     versus = {cell: round(result[f"speedup_{cell}"] / max(1.0, result[f"fixed_{cell}"]), 3) for cell in cells}
     assert all(result[f"controller_vs_best_fixed_{cell}"] == v for cell, v in versus.items())
     assert result["controller_vs_best_fixed_min"] == min(versus.values())
-    assert result["rounds_b1"] == result["rounds_b2"] == 1
+    assert result["rounds_b1"] == result["rounds_b2"] == 2  # a pair: each engine leads one
     for name in ("early_exit", "draft"):  # calibrated at construction: a short job pays for it
         assert result[f"calibration_seconds_{name}_b1"] > 0
         assert 0 < result[f"speedup_{name}_b1_with_calibration"] < result[f"speedup_{name}_b1"]
@@ -161,7 +161,7 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
                                          "run_decode_seconds": seconds[name] - 0.5}
 
     def scripted(model, prompts, warm, batch, configs, repeats, budget):
-        return {(name, load): [(run(name), run("plain"))] * 3 for name in configs for load in prompts}
+        return {(name, load): [(run(name), run("plain"))] * 4 for name in configs for load in prompts}
 
     monkeypatch.setattr(spec_bench, "interleaved", scripted)
     parser = argparse.ArgumentParser()
@@ -249,26 +249,76 @@ def test_spec_compare_runs_the_new_engine_on_its_settings():
                                                  "--load", "scenes", "--set", "round_margin=100"]))
     assert result["outputs_equal"] and result["settings"] == {"round_margin": 100.0}
     assert result["drafted_new"] < result["drafted_old"] / 2, result
-    assert len(result["new_over_old_rounds"]) == 1 and result["new_over_old"] > 0
+    assert len(result["new_over_old_rounds"]) == 3 and result["new_over_old"] > 0  # one led by each engine
     with pytest.raises(SystemExit, match="explores=1"):
         spec_compare.run(parser.parse_args(["--set", "explores=1"]))
 
 
-@pytest.mark.parametrize("seconds, rounds", [(0, 2), (10, 5), (100, 2 * spec_bench.MAX_ROUNDS)])
+@pytest.mark.parametrize("seconds, rounds", [(0, 2), (10, 6), (100, 2 * spec_bench.MAX_ROUNDS)])
 def test_short_runs_get_more_rounds_up_to_a_cap(monkeypatch, seconds, rounds):
     """Rounds are added while the counted runs took under ``seconds`` (two configs a round, each
     taking turns with a plain engine, 0.5 s a run: 2 s a round), never fewer than ``repeats`` and
-    at most ``MAX_ROUNDS`` x ``repeats``; the first round is not counted."""
-    calls = []
+    at most ``MAX_ROUNDS`` x ``repeats``, and in pairs (each engine leads one of a pair: 5 rounds
+    take 10 s, a sixth completes the pair); the first round is not counted."""
+    calls, seeds = [], []
     monkeypatch.setattr(spec_bench, "fresh_engine", lambda *args: None)
-    monkeypatch.setattr(spec_bench, "in_turns",
-                        lambda engines, *args: calls.append(engines) or {name: ([], 0.5, {}) for name in engines})
+    monkeypatch.setattr(spec_bench, "in_turns", lambda engines, *args, seed: calls.append(engines)
+                        or seeds.append(seed) or {name: ([], 0.5, {}) for name in engines})
     pairs = spec_bench.interleaved(Path("model"), {"load": ["p"]}, {"load": ["w"]}, 1,
                                    {"plain_again": None, "other": None},
                                    repeats=2, seconds=seconds)
     assert [len(rs) for rs in pairs.values()] == [rounds, rounds]
     assert len(calls) == 2 * (rounds + 1) and all(list(c) == ["plain", n] for c, n in
                                                   zip(calls, ["plain_again", "other"] * (rounds + 1)))
+    assert seeds == [r for r in range(rounds + 1) for _ in range(2)]  # each round its own step order
+
+
+class _Stepper:
+    """An engine that takes ``steps`` steps over each batch and writes its name in ``log`` at
+    each step: what ``in_turns`` needs of an engine."""
+
+    def __init__(self, name: str, steps: int, log: list[str]) -> None:
+        self.name, self.steps, self.log, self.left, self.queued = name, steps, log, 0, []
+
+    def stats(self) -> dict:
+        return {"step_seconds_prefill": 0.0, "step_seconds_decode": 0.0}
+
+    def add_request(self, prompt, params) -> None:
+        self.queued.append(prompt)
+        self.left = self.steps
+
+    def has_unfinished(self) -> bool:
+        return self.left > 0
+
+    def step(self) -> list:
+        self.log.append(self.name)
+        self.left -= 1
+        if self.left:
+            return []
+        done, self.queued = self.queued, []
+        return [types.SimpleNamespace(finished=True, request_id=p, token_ids=[p]) for p in done]
+
+
+def test_taking_turns_draws_each_rounds_order_and_never_steps_an_engine_twice_running():
+    """``in_turns``: while two or more engines are live no engine steps twice in a row (a step
+    right after its own finds its caches warm), engine ``seed`` leads the round (a round's leader
+    runs slower), the order comes from the seed (the same seed, the same order; each round passes
+    its own), and every engine serves every prompt."""
+    def order(seed: int, steps: dict[str, int]) -> list[str]:
+        log: list[str] = []
+        engines = {name: _Stepper(name, n, log) for name, n in steps.items()}
+        runs = spec_bench.in_turns(engines, [1, 2, 3, 4], 2, seed=seed)
+        assert all(outs == [[1], [2], [3], [4]] for outs, _, _ in runs.values())
+        return log
+
+    for seed in range(6):
+        log = order(seed, {"a": 9, "b": 9, "c": 9})
+        assert all(x != y for x, y in zip(log, log[1:]))
+        assert log[0] == "abc"[seed % 3]  # each engine leads every third round
+        assert order(seed, {"a": 9, "b": 9, "c": 9}) == log
+    assert len({tuple(order(seed, {"a": 9, "b": 9, "c": 9})) for seed in range(6)}) > 1
+    log = order(0, {"plain": 3, "spec": 6})  # the one still live steps alone
+    assert log.count("plain") == log.count("spec") / 2 and log[-2:] == ["spec", "spec"]
 
 
 @pytest.mark.parametrize("all_accepted", [False, True])
@@ -284,7 +334,7 @@ def test_every_speedup_divides_its_own_baseline(monkeypatch, tmp_path, all_accep
 
     def scripted(model, prompts, warm, batch, configs, repeats, budget):  # each beside its own plain run
         plain = {"plain_again": 4.0, "early_exit_all_accepted": 4.0, "draft_all_accepted": 4.0}
-        return {(name, load): [(run({"plain_again": 2.0}.get(name, 1.0)), run(plain.get(name, 2.0)))] * 3
+        return {(name, load): [(run({"plain_again": 2.0}.get(name, 1.0)), run(plain.get(name, 2.0)))] * 4
                 for name in configs for load in prompts}
 
     monkeypatch.setattr(spec_bench, "interleaved", scripted)
@@ -301,13 +351,20 @@ def test_every_speedup_divides_its_own_baseline(monkeypatch, tmp_path, all_accep
 
 def test_paired_speedup_compares_runs_of_the_same_round():
     """The machine slowed down for a round: the variant's runs beside plain decoding's still show
-    it 10 % faster, where the fastest runs of each would compare a fast round with a slow one."""
-    plain = [1.0, 1.5, 1.1]
+    it 10 % faster, where the fastest runs of each would compare a fast round with a slow one.
+    Rounds count in groups in which each engine led once: a leader 4 % slower in every round
+    leaves a group's mean as it was; an odd pair of rounds does not count; rounds that do not
+    fill the groups are refused."""
+    plain = [1.0, 1.5, 1.1, 1.2]
     variant = [p / 1.1 for p in plain]
     assert spec_bench.paired(plain, variant) == pytest.approx(1.1)
-    assert spec_bench.paired([1.0, 1.0, 5.0], [1.0, 1.25, 1.0]) == 1.0  # one odd round does not count
-    with pytest.raises(ValueError):
-        spec_bench.paired([1.0, 1.0], [1.0])
+    led = [1.04, 1 / 1.04] * 2  # the variant leads the first round of each pair, then plain decoding
+    assert spec_bench.paired(plain, [v * f for v, f in zip(variant, led)]) == pytest.approx(1.1)
+    assert spec_bench.paired([1.0] * 6, [1.0, 1.0, 1.0, 1.0, 0.2, 0.2]) == 1.0  # one odd pair does not count
+    assert spec_bench.paired([1.0] * 3, [0.5, 1.0, 2.0], engines=3) == pytest.approx(1.0)
+    for base, seconds, engines in (([1.0, 1.0], [1.0], 2), ([1.0], [1.0], 2), ([1.0] * 4, [1.0] * 4, 3)):
+        with pytest.raises(ValueError):
+            spec_bench.paired(base, seconds, engines)
 
 
 def test_a_benchmark_whose_outputs_differ_exits_non_zero(monkeypatch, capsys):

@@ -18,8 +18,9 @@ cross-attention plumbing), the only batch size its assisted generation supports.
 variant must give the same outputs. mmkv runs every variant ``--repeats`` times or more (rounds
 are added while a batch size's runs took under ``--seconds``: ``rounds_b<batch>``), each on a
 fresh engine (so the controller learns afresh) taking turns step by step with a fresh plain
-engine (``in_turns``: the machine's drift meets both alike); a speedup is the median over rounds
-of the round's ratio of the plain engine's time to the variant's (``paired``), and plain decoding
+engine (``in_turns``: the machine's drift meets both alike; the two lead alternate rounds); a
+speedup is the median over pairs of rounds of the pair's geometric mean ratio of the plain
+engine's time to the variant's (``paired``), and plain decoding
 beside plain decoding gives the noise floor (``plain_vs_plain_<cell>``). Throughputs (tokens/s)
 and transformers' timings are the fastest of the repeats. Every timing is taken with the garbage
 collector paused. The chart is the speedup against the batch size, one line per method and
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import random
 import statistics
 import time
@@ -150,33 +152,48 @@ def serve(engine: Engine, prompts: list, batch: int) -> list:
     return [o for i in range(0, len(prompts), batch) for o in engine.generate(prompts[i:i + batch], PARAMS)]
 
 
-def in_turns(engines: dict[str, Engine], prompts: list, batch: int) -> dict[str, tuple[list, float, dict]]:
+def in_turns(engines: dict[str, Engine], prompts: list, batch: int,
+             seed: int = 0) -> dict[str, tuple[list, float, dict]]:
     """Every engine serves ``prompts`` ``batch`` at a time as ``serve`` does, the engines taking
-    turns step by step (each batch queued on all, then one step of each in an order drawn afresh
-    every turn, from a fixed seed). For each: its outputs' token ids in order, the seconds its own
-    calls took and its stats (``run_<phase>_seconds``: this run's step seconds, a warm-up before it
-    left out).
+    turns step by step: one step of each in an order drawn afresh every turn from ``seed``, the
+    first turn led by engine ``seed`` (modulo their number), and a turn never starting with the
+    engine that ended the one before. Each engine queues a batch in its turn, just before its
+    step. For
+    each: its outputs' token ids in order, the seconds its own calls took and its stats
+    (``run_<phase>_seconds``: this run's step seconds, a warm-up before it left out).
 
     This machine's speed drifts over a second or two, and one engine's run after another's
     compares two moments as much as two engines; taking turns every step puts the same moments in
     both. The order is drawn, not rotated: in a rotating order each engine mostly follows the same
-    other one, which can favour one of them. What this measured: docs/benchmarks.md (spec)."""
+    other one, which can favour one of them. Callers pass each round its own ``seed`` (one order
+    for every round favoured the same engine in every round) and count rounds in groups in which
+    each engine leads once (``paired``): the engine that leads a round ran 3-7 % slower than the
+    other in a prefill-heavy run. A step right after the same engine's own finds its caches warm,
+    hence no engine twice running. What this measured: docs/benchmarks.md (spec)."""
     names = list(engines)
-    order = random.Random(0)
+    order = random.Random(seed)
+    last = None  # the engine that stepped last
     warm = {name: engines[name].stats() for name in names}
     seconds = dict.fromkeys(names, 0.0)
     outputs: dict[str, dict[int, list[int]]] = {name: {} for name in names}
     clock = time.perf_counter
     with gc_paused():
         for first in range(0, len(prompts), batch):
-            for name in names:
-                start = clock()
-                for prompt in prompts[first:first + batch]:
-                    engines[name].add_request(prompt, PARAMS)
-                seconds[name] += clock() - start
-            while live := [name for name in names if engines[name].has_unfinished()]:
-                for name in order.sample(live, len(live)):
+            queued = set(names)  # engines not yet given this batch: each queues it in its first turn
+            while live := [name for name in names if name in queued or engines[name].has_unfinished()]:
+                turn = order.sample(live, len(live))
+                if last is None:  # the round's first turn: engine ``seed`` leads
+                    turn.remove(leader := names[seed % len(names)])
+                    turn.insert(0, leader)
+                elif turn[0] == last and len(turn) > 1:
+                    turn[0], turn[-1] = turn[-1], turn[0]
+                last = turn[-1]
+                for name in turn:
                     start = clock()
+                    if name in queued:
+                        queued.discard(name)
+                        for prompt in prompts[first:first + batch]:
+                            engines[name].add_request(prompt, PARAMS)
                     finished = [o for o in engines[name].step() if o.finished]
                     seconds[name] += clock() - start
                     outputs[name].update((o.request_id, o.token_ids) for o in finished)
@@ -203,8 +220,9 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
     config (so its controller learns afresh) and a fresh plain engine take turns over the
     workload (``in_turns``; a config named ``<method>_all_accepted`` proposes the target's own
     tokens). For each (config, workload), the pairs of runs (the config's, the plain one beside
-    it) in round order. More rounds, up to ``MAX_ROUNDS`` x ``repeats``, while the counted runs
-    took under ``seconds`` in all (so the faster batch sizes get more rounds). A first round is
+    it) in round order, an even number of them (the two engines lead alternate rounds). More
+    rounds, up to ``MAX_ROUNDS`` x ``repeats``, while the counted runs took under ``seconds`` in
+    all (so the faster batch sizes get more rounds). A first round is
     run and not counted: a process's first runs of a batch size are slower than its later ones
     (its allocator and caches settle).
 
@@ -214,14 +232,14 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
     pairs: dict = {key: [] for key in ((name, load) for name in configs for load in prompts)}
     own = ({load: own_outputs(model, warm[load], subset, batch) for load, subset in prompts.items()}
            if any(name.endswith(ALL_ACCEPTED) for name in configs) else {})
-    round_, spent = 0, 0.0
-    while round_ <= repeats or (spent < seconds and round_ <= MAX_ROUNDS * repeats):
+    round_, spent = 0, 0.0  # counted rounds come in pairs, each engine leading one (``paired``)
+    while round_ <= repeats or round_ % 2 == 0 or (spent < seconds and round_ <= MAX_ROUNDS * repeats):
         for load, subset in prompts.items():
             for name, config in configs.items():
                 engines = {PLAIN: fresh_engine(model, warm[load], batch, None),
                            name: fresh_engine(model, warm[load], batch, config,
                                               own[load] if name.endswith(ALL_ACCEPTED) else None)}
-                runs = in_turns(engines, subset, batch)
+                runs = in_turns(engines, subset, batch, seed=round_)
                 if round_:
                     pairs[name, load].append((runs[name], runs[PLAIN]))
                     spent += runs[name][1] + runs[PLAIN][1]
@@ -242,12 +260,17 @@ def variants(speculative: dict[str, SpeculativeConfig], all_accepted: bool
     return configs
 
 
-def paired(base: list[float], seconds: list[float]) -> float:
-    """How many times faster than ``base`` the runs taking ``seconds`` are: the median over
-    rounds of each round's ratio. This machine's speed drifts over seconds, so the fastest run
-    of each variant compares moments, not variants; two runs of the same round met
-    about the same machine, and the median leaves out a round in which they did not."""
-    return statistics.median(b / s for b, s in zip(base, seconds, strict=True))
+def paired(base: list[float], seconds: list[float], engines: int = 2) -> float:
+    """How many times faster than ``base`` the runs taking ``seconds`` are: each round's ratio,
+    the geometric mean of each ``engines`` rounds in turn (in which each engine led once:
+    ``in_turns``), and the median of those. This machine's speed drifts over seconds, so the
+    fastest run of each variant compares moments, not variants; two runs of the same round met
+    about the same machine, and the median leaves out rounds in which they did not."""
+    ratios = [b / s for b, s in zip(base, seconds, strict=True)]
+    if not ratios or len(ratios) % engines:
+        raise ValueError(f"{len(ratios)} rounds: expected a positive multiple of {engines}, one led by each engine")
+    return statistics.median(math.prod(ratios[i:i + engines]) ** (1 / engines)
+                             for i in range(0, len(ratios), engines))
 
 
 @torch.inference_mode()

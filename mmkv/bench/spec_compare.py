@@ -3,9 +3,10 @@
 ``python -m mmkv.bench spec-compare --method early_exit --load summaries --batch 8 --set explore=1``:
 each round a plain engine, a speculative engine on the controller's default settings (``old``)
 and one on the changed settings (``new``), fresh and warmed up as ``bench spec`` makes them, serve
-the same prompts taking turns step by step (``spec_bench.in_turns``). It reports ``new_over_old``
-(old's seconds over new's: above 1, the change is faster) and each one's speedup over the plain
-engine, per round and as the median of rounds (``spec_bench.paired``), and the draft tokens each
+the same prompts taking turns step by step (``spec_bench.in_turns``), each engine leading a third
+of the rounds. It reports ``new_over_old`` (old's seconds over new's: above 1, the change is
+faster) and each one's speedup over the plain engine, per round and as the median over groups of
+three rounds, one led by each engine (``spec_bench.paired``), and the draft tokens each
 speculative engine proposed; the first round is left out (it warms the process). ``--set`` takes
 any field of ``speculative.controller.Settings``; without it the two speculative engines are
 identical, which shows the comparison's own noise.
@@ -28,6 +29,7 @@ from speculative.controller import Settings
 
 METHODS = ("early_exit", "draft_model")
 LOADS = ("scenes", "summaries", "short", "mixed")
+ENGINES = (PLAIN, "old", "new")  # built and led in this order (``spec_bench.in_turns``)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--requests", type=int, default=None,
                    help="requests served (default: 8 at batch 1, 32 otherwise, as bench spec)")
-    p.add_argument("--rounds", type=int, default=8, help="counted rounds (one more warms up)")
+    p.add_argument("--rounds", type=int, default=9,
+                   help="counted rounds, rounded up to a multiple of 3 so that each engine leads as "
+                        "many (one more warms up)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
                    help="a controller setting of the new engine (speculative.controller.Settings)")
@@ -61,11 +65,11 @@ def run(args: argparse.Namespace) -> dict:
     seconds: dict[str, list[float]] = {PLAIN: [], "old": [], "new": []}  # each counted round's run
     drafted = {"old": 0, "new": 0}
     equal = True
-    for counted in [False] + [True] * args.rounds:
-        engines = {PLAIN: fresh_engine(args.model, warm_up, args.batch, None),
-                   "old": fresh_engine(args.model, warm_up, args.batch, speculative),
-                   "new": fresh_engine(args.model, warm_up, args.batch, changed)}
-        runs = in_turns(engines, prompts, args.batch)
+    rounds = -(-args.rounds // len(ENGINES)) * len(ENGINES)
+    for round_, counted in enumerate([False] + [True] * rounds):
+        engines = {name: fresh_engine(args.model, warm_up, args.batch, config)
+                   for name, config in zip(ENGINES, (None, speculative, changed))}
+        runs = in_turns(engines, prompts, args.batch, seed=round_)
         equal &= runs["old"][0] == runs[PLAIN][0] == runs["new"][0]
         if counted:
             for name, run in runs.items():
@@ -73,10 +77,10 @@ def run(args: argparse.Namespace) -> dict:
             for name in drafted:
                 drafted[name] += runs[name][2]["spec_drafted_tokens"]
     result: dict = {"method": args.method, "load": args.load, "batch": args.batch,
-                    "settings": _changed(settings), "rounds": args.rounds}
+                    "settings": _changed(settings), "rounds": rounds}
     for key, base, variant in (("new_over_old", "old", "new"), ("speedup_old", PLAIN, "old"),
                                ("speedup_new", PLAIN, "new")):
-        result[key] = round(paired(seconds[base], seconds[variant]), 3)
+        result[key] = round(paired(seconds[base], seconds[variant], len(ENGINES)), 3)
         result[f"{key}_rounds"] = [round(b / s, 3) for b, s in zip(seconds[base], seconds[variant])]
     result.update({f"drafted_{name}": count for name, count in drafted.items()})
     result["outputs_equal"] = equal
