@@ -16,8 +16,8 @@ tokens past its next one; 0 past its limit ``g_b``), ``D_j = c_1 ... c_j``, ``A_
 
 each pass priced by ``speculative.costs``, over at most ``FRONTIER_GROWTH`` x the deepest position
 any round reached. A round is taken when its seconds per token, with a draft model's catch-up
-spread over the tokens the batch is expected still to generate, are at most ``1 / ROUND_MARGIN``
-of plain decoding's.
+spread over the tokens the batch is expected still to generate (at most ``num_tokens`` of each
+output), are at most ``1 / ROUND_MARGIN`` of plain decoding's.
 
 Exploring: until ``EXPLORE`` verification passes are timed and ``EXPLORE`` sequence-rounds seen, the
 first ``explore_sequences`` sequences (default: all) draft up to ``explore_length``; with the pass
@@ -57,8 +57,6 @@ ROUND_MARGIN = 1.05  # a round must promise this x plain decoding's goodput
 HOLD_MAX = 64  # the most steps a priced plain decision is held
 ROUND_HOLD_MAX = 16  # the most steps a priced round is held
 FRONTIER_GROWTH = 2  # a round is priced at most this x as deep as any round has reached
-AHEAD = 4  # a catch-up is spread over at most this x num_tokens of each output still to come
-# (over at most num_tokens while no output has ended: a fresh engine knows nothing of their lengths)
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
 CALIBRATE = 1  # 1: the engine times its passes before its first request
 
@@ -74,7 +72,6 @@ class Settings:
     hold_max: int = HOLD_MAX
     round_hold_max: int = ROUND_HOLD_MAX
     frontier_growth: int = FRONTIER_GROWTH
-    ahead: int = AHEAD
     calibrate: int = CALIBRATE
 
 
@@ -243,13 +240,11 @@ class DraftLengthController:
         context = float(sizes.sum())
         proposed, accepted = (np.ones(depth), np.ones(depth)) if sure else self.acceptance.rates(depth)
         d, a = np.cumprod(proposed), np.cumprod(proposed * accepted)
-        horizon = max(depth, (self.settings.ahead if self.lengths.recent else 1) * self.positions)
+        horizon = max(depth, self.positions)  # a catch-up's spread: num_tokens of each output at most
         caps = np.asarray([cap for _, cap in progress] if progress is not None else limits) + (progress is None)
-        if progress is not None and self.lengths.recent:
-            running = self.lengths.survival([generated for generated, _ in progress], horizon)
-            running[np.arange(horizon + 1) >= caps[:, None]] = 0.0  # no token past the limit
-        else:
-            running = (np.arange(horizon + 1) < caps[:, None]).astype(np.float64)
+        running = (self.lengths.survival([generated for generated, _ in progress], horizon)
+                   if progress is not None else np.ones((batch, horizon + 1)))
+        running[np.arange(horizon + 1) >= caps[:, None]] = 0.0  # no token past the limit
         within = np.arange(depth) < np.asarray(limits)[:, None]  # [B, depth]
         propose = d * running[:, :depth] * within  # sequence b proposes its j-th draft
         tokens = batch + float((a * running[:, 1:depth + 1] * within).sum())
