@@ -7,16 +7,12 @@ its next one (``survival``): of the recent outputs that ran past ``g`` and one m
 ends after the sequence's next token, the share that ran to ``g + 1 + i`` or further. A round
 prices its drafts with it: a summary two tokens from its end gets nothing from a draft of eight.
 
-The extra output is the sequence's own chance of ending now. A sequence that has run past every
-recent output's end is one they say nothing of (a scene description still running after a batch's
-report summaries have all ended), so its chance is 1, as with nothing recorded (a fresh engine):
-with the share it would read 0 at ``i >= 1``, and a round priced with nothing ahead of its
-sequences is never taken (a mixed batch of 32 on the draft model decoded its scenes plainly after
-its summaries ended, while rounds paid; ``bench spec-compare --load mixed``, docs/speculation.md).
+The extra output is the sequence's own chance of ending now, so a sequence that has run past every
+recent output's end (the longest of a batch) is not expected to run to its limit. With nothing
+recorded (a fresh engine) the chance is 1.
 
-Invariant: ``survival`` is 1 at ``i = 0`` and falls with ``i``; below 1 after ``i = 0`` for a
-sequence some recent output ran past; the sorted lengths are rebuilt after a record, on the next
-estimate.
+Invariant: ``survival`` is 1 at ``i = 0`` and falls with ``i``, below 1 after ``i = 0`` once an
+output is recorded; the sorted lengths are rebuilt after a record, on the next estimate.
 """
 
 from __future__ import annotations
@@ -48,6 +44,5 @@ class OutputLengths:
         ran = np.asarray(generated)[:, None] + np.arange(1, positions + 2)  # [B, positions + 1]
         reached = len(self._sorted) - np.searchsorted(self._sorted, ran)  # outputs of at least that
         running = reached / (reached[:, :1] + 1.0)  # and one output that ends after the next token
-        running[reached[:, 0] == 0] = 1.0  # past every recent output: nothing known of it
         running[:, 0] = 1.0
         return running
