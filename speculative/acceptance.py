@@ -62,7 +62,6 @@ class AcceptanceModel:
 
     positions: int
     version: int = 0  # sequence-rounds observed
-    reached: int = 0  # the deepest position any round has tried
     proposed: DecayedRate = field(init=False)
     accepted: DecayedRate = field(init=False)
     _rates: tuple | None = field(init=False, default=None)  # (version, proposed, accepted arrays)
@@ -80,7 +79,6 @@ class AcceptanceModel:
         if chosen == 0:
             return
         self.version += 1
-        self.reached = max(self.reached, proposed + confidence_stop)
         self.proposed.observe([True] * proposed + ([False] if confidence_stop else []), DECAY)
         self.accepted.observe([True] * accepted + ([False] if accepted < proposed else []), DECAY)
 

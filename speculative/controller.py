@@ -14,10 +14,9 @@ tokens past its next one; 0 past its limit ``g_b``), ``D_j = c_1 ... c_j``, ``A_
     draft pass j >= 1   rows_j = sum_b D_j S_b(j-1), run with probability 1 - prod_b (1 - D_j S_b(j-1))
     verification rows   = sum_b (1 + sum_{j <= g_b} D_j S_b(j-1))
 
-each pass priced by ``speculative.costs``, over at most ``FRONTIER_GROWTH`` x the deepest position
-any round reached. A round is taken when its seconds per token, with a draft model's catch-up
-spread over the tokens the batch is expected still to generate (at most ``num_tokens`` of each
-output), are at most ``1 / ROUND_MARGIN`` of plain decoding's.
+each pass priced by ``speculative.costs``. A round is taken when its seconds per token, with a
+draft model's catch-up spread over the tokens the batch is expected still to generate (at most
+``num_tokens`` of each output), are at most ``1 / ROUND_MARGIN`` of plain decoding's.
 
 Exploring: until ``EXPLORE`` verification passes are timed and ``EXPLORE`` sequence-rounds seen, the
 first ``explore_sequences`` sequences (default: all) draft up to ``explore_length``; with the pass
@@ -56,7 +55,6 @@ EARLY_EXIT_EXPLORE_LENGTH = 4  # ... for early exit
 ROUND_MARGIN = 1.05  # a round must promise this x plain decoding's goodput
 HOLD_MAX = 64  # the most steps a priced plain decision is held
 ROUND_HOLD_MAX = 16  # the most steps a priced round is held
-FRONTIER_GROWTH = 2  # a round is priced at most this x as deep as any round has reached
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
 CALIBRATE = 1  # 1: the engine times its passes before its first request
 
@@ -71,7 +69,6 @@ class Settings:
     round_margin: float = ROUND_MARGIN
     hold_max: int = HOLD_MAX
     round_hold_max: int = ROUND_HOLD_MAX
-    frontier_growth: int = FRONTIER_GROWTH
     calibrate: int = CALIBRATE
 
 
@@ -230,12 +227,9 @@ class DraftLengthController:
 
     def _pays(self, limits: list[int], lengths: list[int], progress: list[tuple[int, int]] | None,
               behind: list[int] | None, sure: bool = False) -> bool:
-        """Whether a round beats plain decoding by the margin, its catch-up included: priced as
-        drafting at most ``FRONTIER_GROWTH`` x as deep as any round has reached (deeper positions
-        are no evidence), or, ``sure``, as drafting every limit with every draft accepted."""
-        costs, batch = self.costs, len(limits)
-        frontier = self.settings.frontier_growth * max(self.explore_length, self.acceptance.reached)
-        depth = max(limits) if sure else min(max(limits), frontier)
+        """Whether a round beats plain decoding by the margin, its catch-up included, priced with
+        the engine's rates or, ``sure``, with every draft accepted."""
+        costs, batch, depth = self.costs, len(limits), max(limits)
         sizes = np.asarray(lengths, dtype=np.float64)
         context = float(sizes.sum())
         proposed, accepted = (np.ones(depth), np.ones(depth)) if sure else self.acceptance.rates(depth)

@@ -457,26 +457,6 @@ def test_a_catch_up_is_spread_over_at_most_num_tokens_of_each_output():
     assert controller.choose(histories, [4] * 3, [8000] * 3, progress, behind) == [0] * 3
 
 
-def test_a_round_is_priced_no_deeper_than_twice_the_deepest_position_reached():
-    """A verification's fixed 10 ms pays only over long rounds (24 drafts always accepted: 1.4 ms a
-    token against plain decoding's 3 ms; 4 drafts: 3 ms). After rounds of 2 drafts the positions
-    past 4 are no evidence, so the round is priced 4 deep and not taken; once rounds have reached
-    24, it is."""
-    controller = DraftLengthController(24)
-    history = controller.new_history()
-    for _ in range(EXPLORE + 4):
-        controller.observe_round(history, EXPLORE_LENGTH, EXPLORE_LENGTH, EXPLORE_LENGTH, False)
-        controller.observe_pass("draft", 1, 100, 0.001)
-        for rows in (3, 25):
-            controller.observe_pass("verify", rows, 100 * rows, 0.010)
-        controller.observe_pass("plain", 1, 100, 0.003)
-    assert controller.choose([history], [24], [100]) == [0]
-    for _ in range(4):
-        controller.observe_round(history, 24, 24, 24, False)
-    controller._hold = None
-    assert controller.choose([history], [24], [100]) == [24]
-
-
 def test_drafts_past_where_recent_outputs_ended_are_worth_nothing():
     """Rounds of a draft always right, and a catch-up to pay: with no output finished yet, the
     sequences (2 tokens generated) are expected to run to their limit and the round pays; once
