@@ -3,13 +3,18 @@
 A sequence's hard limit (``max_tokens`` less what it generated) overstates what most sequences
 generate: a summary asked for at most 48 tokens ends at about 25, by its end-of-sequence token. The
 chance that a sequence which has generated ``g`` tokens is still running ``i >= 1`` tokens after
-its next one (``survival``): of the recent outputs that ran past ``g`` and one more output that
-ends after the sequence's next token, the share that ran to ``g + 1 + i`` or further. A round
-prices its drafts with it: a summary two tokens from its end gets nothing from a draft of eight.
+its next one (``survival``) is a product-limit (Kaplan-Meier) estimate: for each length ``m`` from
+``g + 1`` on, the chance of going past ``m`` is one less the share of the outputs that reached
+``m`` and ended there. Two kinds of output reached ``m``: recent outputs at least ``m`` long, and
+sequences of the batch being priced that have already generated ``m`` tokens (still running, so
+none of them ended there). Counting the running ones matters where a batch's outputs differ in
+length: the first outputs to end are the short ones, and from them alone a batch of scene
+descriptions beside report summaries would look as if every scene ended when the summaries did.
 
-The extra output is the sequence's own chance of ending now, so a sequence that has run past every
-recent output's end (the longest of a batch) is not expected to run to its limit. With nothing
-recorded (a fresh engine) the chance is 1.
+One more output ends at ``g + 1``: the sequence's own chance of ending now, so a sequence that has
+run past every output that anything says reached its length is not expected to run to its limit.
+Where no output reached a length the chance of going past it is 0: nothing is claimed past the
+evidence. With nothing recorded (a fresh engine) the chance is 1.
 
 Invariant: ``survival`` is 1 at ``i = 0`` and falls with ``i``, below 1 after ``i = 0`` once an
 output is recorded; the sorted lengths are rebuilt after a record, on the next estimate.
@@ -35,14 +40,20 @@ class OutputLengths:
         self._sorted = None
 
     def survival(self, generated: list[int], positions: int) -> np.ndarray:
-        """``[len(generated), positions + 1]``: column ``i`` is the chance that a sequence which
-        has generated ``generated[b]`` tokens generates ``i`` more after its next one."""
+        """``[len(generated), positions + 1]``: column ``i`` is the chance that a sequence of a
+        batch whose sequences have generated ``generated`` tokens generates ``i`` more after its
+        next one."""
         if not self.recent:
             return np.ones((len(generated), positions + 1))
         if self._sorted is None:
             self._sorted = np.sort(np.fromiter(self.recent, dtype=np.int64))
-        ran = np.asarray(generated)[:, None] + np.arange(1, positions + 2)  # [B, positions + 1]
-        reached = len(self._sorted) - np.searchsorted(self._sorted, ran)  # outputs of at least that
-        running = reached / (reached[:, :1] + 1.0)  # and one output that ends after the next token
-        running[:, 0] = 1.0
-        return running
+        done, running = self._sorted, np.sort(np.asarray(generated, dtype=np.int64))
+        lengths = np.asarray(generated, dtype=np.int64)[:, None] + np.arange(1, max(positions, 1) + 1)
+        at_least = len(done) - np.searchsorted(done, lengths)  # recent outputs at least m long
+        ended = at_least - (len(done) - np.searchsorted(done, lengths + 1))  # ... exactly m long
+        reached = at_least + len(running) - np.searchsorted(running, lengths)  # and running ones
+        reached[:, 0] += 1  # the sequence itself, ending at its next token
+        ended[:, 0] += 1
+        past = np.where(reached > 0, 1.0 - ended / np.maximum(reached, 1), 0.0)  # going past m
+        return np.concatenate([np.ones((len(lengths), 1)), np.cumprod(past, axis=1)],
+                              axis=1)[:, :positions + 1]

@@ -470,23 +470,49 @@ def test_drafts_past_where_recent_outputs_ended_are_worth_nothing():
     assert controller.choose(histories, [4] * 3, [4000] * 3, progress, behind) == [0] * 3
 
 
+def test_a_sequence_behind_a_running_one_is_expected_to_run_as_far():
+    """Recent outputs all ended after 3 tokens, and two sequences of the batch have run past
+    them: one of 5 tokens behind one of 40 that is still running. The one behind is expected to
+    go on as far as the one ahead has (it is not expected to end just because every output that
+    ended was short), so a round pays; the one ahead, past anything known, is not."""
+    controller, histories = trained_on_catch_ups()
+    for _ in range(10):
+        controller.lengths.record(3)
+    survival = controller.lengths.survival([5, 40], 4)
+    assert survival[0].tolist() == pytest.approx([1.0, 0.5, 0.5, 0.5, 0.5])
+    assert survival[1].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    progress, behind = [(5, 100), (5, 100), (40, 100)], [500, 500, 500]
+    assert controller.choose(histories, [4] * 3, [4000] * 3, progress, behind) == [4] * 3
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 60), max_size=40), st.lists(st.integers(0, 60), min_size=1, max_size=4),
+@given(st.lists(st.integers(1, 60), max_size=40), st.lists(st.integers(0, 60), min_size=1, max_size=6),
        st.integers(0, 12))
-def test_survival_is_the_share_of_recent_outputs_that_ran_that_far(finished, generated, positions):
-    """Against the definition, computed naively: of the recent outputs longer than ``g`` and one
-    more that is ``g + 1`` long, the share at least ``g + 1 + i`` long; 1 when nothing was
-    recorded."""
+def test_survival_is_the_product_limit_estimate_over_recent_and_running_outputs(finished, generated,
+                                                                               positions):
+    """Against the definition, computed naively, length by length: going past ``m`` is one less
+    the share of the outputs that reached ``m`` (recent ones at least ``m`` long, running ones
+    that generated ``m``, and at ``g + 1`` the sequence itself) that ended there (recent ones
+    exactly ``m`` long, and at ``g + 1`` the sequence itself); 0 where none reached ``m``; 1
+    when nothing was recorded. Where no running sequence is ahead, it is the share of recent
+    outputs longer than ``g``, and one more ``g + 1`` long, that ran ``g + 1 + i`` or further."""
     lengths = OutputLengths()
     for n in finished:
         lengths.record(n)
     got = lengths.survival(generated, positions)
     assert got.shape == (len(generated), positions + 1)
     for row, g in zip(got, generated):
-        past = [n for n in finished if n > g] + [g + 1]
-        for i, value in enumerate(row):
-            expected = sum(n >= g + 1 + i for n in past) / len(past) if finished else 1.0
-            assert value == pytest.approx(expected)
+        expected, chance = [1.0], 1.0
+        for m in range(g + 1, g + 1 + positions):
+            reached = sum(n >= m for n in finished) + sum(k >= m for k in generated) + (m == g + 1)
+            ended = sum(n == m for n in finished) + (m == g + 1)
+            chance *= 1.0 - ended / reached if reached else 0.0
+            expected.append(chance if finished else 1.0)
+        assert row.tolist() == pytest.approx(expected)
+        if finished and max(generated) <= g:
+            past = [n for n in finished if n > g] + [g + 1]
+            assert row.tolist() == pytest.approx([sum(n >= g + 1 + i for n in past) / len(past)
+                                                  for i in range(positions + 1)])
 
 
 def test_linear_fit_recovers_a_linear_cost_and_clips_spikes():
