@@ -121,8 +121,10 @@ def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     cells = [f"{name}_{load}_b{b}" for name in ("early_exit", "draft")
              for load in ("scenes", "summaries", "short", "mixed") for b in (1, 2)]
     assert result["min_speedup"] == min(result[f"speedup_{cell}"] for cell in cells) > 0
-    versus = {cell: round(result[f"speedup_{cell}"] / max(1.0, result[f"fixed_{cell}"]), 3) for cell in cells}
+    versus = {cell: round(min(result[f"speedup_{cell}"], result[f"controller_vs_fixed_{cell}"]), 3)
+              for cell in cells}
     assert all(result[f"controller_vs_best_fixed_{cell}"] == v for cell, v in versus.items())
+    assert all(result[f"fixed_{cell}"] > 0 for cell in cells)
     assert result["controller_vs_best_fixed_min"] == min(versus.values())
     assert result["rounds_b1"] == result["rounds_b2"] == 2  # a pair: each engine leads one
     for name in ("early_exit", "draft"):  # calibrated at construction: a short job pays for it
@@ -160,8 +162,9 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
         return [[1, 2]], seconds[name], {**stats, "run_prefill_seconds": 0.5,
                                          "run_decode_seconds": seconds[name] - 0.5}
 
-    def scripted(model, prompts, warm, batch, configs, repeats, budget):
-        return {(name, load): [(run(name), run("plain"))] * 4 for name in configs for load in prompts}
+    def scripted(model, prompts, warm, batch, configs, repeats, budget):  # fixed rounds meet the controller
+        return {(name, load): [(run(name), run(spec_bench.partner(name, configs)))] * 4
+                for name in configs for load in prompts}
 
     monkeypatch.setattr(spec_bench, "interleaved", scripted)
     parser = argparse.ArgumentParser()
@@ -177,8 +180,11 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
         assert result[f"decode_speedup_early_exit_{load}_b8"] == 3.0
         assert result[f"decode_speedup_draft_{load}_b8"] == 1.0
     assert result["decode_speedup_early_exit_b8"] == 3.0 and result["prefill_share_plain_b8"] == 0.25
-    # fixed rounds: early exit's 2.5x beats its controller's 2x; the draft model's 0.8x loses to
-    # plain decoding, which its controller's 1x matches
+    # fixed rounds, met by the controller: early exit's 0.8 s beat its controller's 1 s (so 2.5x
+    # plain decoding against the controller's 2x); the draft model's 2.5 s lose to its
+    # controller's 2 s (0.8x plain decoding), and the controller matches plain decoding
+    assert result["controller_vs_fixed_early_exit_short_b8"] == 0.8
+    assert result["controller_vs_fixed_draft_short_b8"] == 1.25
     assert result["fixed_early_exit_short_b8"] == 2.5 and result["fixed_draft_short_b8"] == 0.8
     assert result["controller_vs_best_fixed_early_exit_scenes_b8"] == 0.8
     assert result["controller_vs_best_fixed_draft_summaries_b8"] == 1.0
@@ -271,6 +277,22 @@ def test_short_runs_get_more_rounds_up_to_a_cap(monkeypatch, seconds, rounds):
     assert len(calls) == 2 * (rounds + 1) and all(list(c) == ["plain", n] for c, n in
                                                   zip(calls, ["plain_again", "other"] * (rounds + 1)))
     assert seeds == [r for r in range(rounds + 1) for _ in range(2)]  # each round its own step order
+
+
+def test_fixed_rounds_take_turns_with_their_controller(monkeypatch):
+    """A method's fixed rounds meet the method's own engine (the controller) head to head, and the
+    pair is kept in that order (fixed rounds' run, the controller's); the others meet plain
+    decoding."""
+    calls = []
+    monkeypatch.setattr(spec_bench, "fresh_engine", lambda model, warm, batch, config, own=None: config)
+    monkeypatch.setattr(spec_bench, "in_turns", lambda engines, *args, seed: calls.append(dict(engines))
+                        or {name: ([], 1.0 if name.endswith("_fixed") else 2.0, {}) for name in engines})
+    configs = {"m": "controller", "m_fixed": "fixed", "plain_again": None}
+    pairs = spec_bench.interleaved(Path("model"), {"load": ["p"]}, {"load": ["w"]}, 1, configs,
+                                   repeats=1, seconds=0)
+    assert calls[:3] == [{"plain": None, "m": "controller"}, {"m": "controller", "m_fixed": "fixed"},
+                         {"plain": None, "plain_again": None}]
+    assert all(mine[1] == 1.0 and other[1] == 2.0 for mine, other in pairs["m_fixed", "load"])
 
 
 class _Stepper:

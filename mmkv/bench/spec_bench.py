@@ -9,9 +9,14 @@ arriving together (no controller setting was tuned on it), greedy. Every cell of
 summaries, short, mixed} x {1, 8, 32} x {early exit, draft model} is a speedup over plain
 decoding of the same prompts at the same batch size in the same run; ``min_speedup`` is the
 least of them. Each method also runs with fixed rounds (``draft_length="fixed"``: every round
-drafts ``--num-tokens``, each sequence stopping where its draft is unsure): ``fixed_<cell>``, and
-``controller_vs_best_fixed_<cell>`` the controller's speedup over the better of fixed rounds and
-plain decoding (``controller_vs_best_fixed_min``: the least over cells). Batch 1 serves the first
+drafts ``--num-tokens``, each sequence stopping where its draft is unsure), taking turns with the
+method's controller, not with plain decoding: ``controller_vs_fixed_<cell>`` is the controller's
+speed over fixed rounds met head to head, ``fixed_<cell>`` fixed rounds' speedup over plain
+decoding through the controller's (its speedup over ``controller_vs_fixed``), and
+``controller_vs_best_fixed_<cell>`` the controller's speed over the better of fixed rounds and
+plain decoding, the lesser of its two head-to-head ratios (``controller_vs_best_fixed_min``: the
+least over cells). Two ratios each measured against plain decoding in other rounds and divided
+would carry both rounds' noise. Batch 1 serves the first
 ``--batch1-requests`` prompts one at a time, batches 8 and 32 serve all ``--requests``.
 transformers runs the batch-1 summaries (its Mllama text model takes no image without the
 cross-attention plumbing), the only batch size its assisted generation supports. Every greedy
@@ -217,10 +222,11 @@ def own_outputs(model: Path, warm_up: list, prompts: list, batch: int) -> dict[i
 def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], batch: int,
                 configs: dict[str, SpeculativeConfig | None], repeats: int, seconds: float = 0.0) -> dict:
     """At least ``repeats`` rounds for every (config, workload): in each, a fresh engine of the
-    config (so its controller learns afresh) and a fresh plain engine take turns over the
-    workload (``in_turns``; a config named ``<method>_all_accepted`` proposes the target's own
-    tokens). For each (config, workload), the pairs of runs (the config's, the plain one beside
-    it) in round order, an even number of them (the two engines lead alternate rounds). More
+    config (so its controller learns afresh) and a fresh engine of its partner take turns over
+    the workload (``in_turns``; a config named ``<method>_all_accepted`` proposes the target's own
+    tokens). The partner is plain decoding, but a config named ``<method>_fixed`` meets
+    ``<method>`` (``partner``). For each (config, workload), the pairs of runs (the config's, its
+    partner's) in round order, an even number of them (the two engines lead alternate rounds). More
     rounds, up to ``MAX_ROUNDS`` x ``repeats``, while the counted runs took under ``seconds`` in
     all (so the faster batch sizes get more rounds). A first round is
     run and not counted: a process's first runs of a batch size are slower than its later ones
@@ -236,21 +242,29 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
     while round_ <= repeats or round_ % 2 == 0 or (spent < seconds and round_ <= MAX_ROUNDS * repeats):
         for load, subset in prompts.items():
             for name, config in configs.items():
-                engines = {PLAIN: fresh_engine(model, warm[load], batch, None),
+                other = partner(name, configs)
+                engines = {other: fresh_engine(model, warm[load], batch, configs.get(other)),
                            name: fresh_engine(model, warm[load], batch, config,
                                               own[load] if name.endswith(ALL_ACCEPTED) else None)}
                 runs = in_turns(engines, subset, batch, seed=round_)
                 if round_:
-                    pairs[name, load].append((runs[name], runs[PLAIN]))
-                    spent += runs[name][1] + runs[PLAIN][1]
+                    pairs[name, load].append((runs[name], runs[other]))
+                    spent += runs[name][1] + runs[other][1]
         round_ += 1
     return pairs
 
 
+def partner(name: str, configs: dict) -> str:
+    """The config ``name`` takes turns with: a method's fixed rounds meet the method itself (the
+    controller), every other config plain decoding."""
+    method = name[:-len(FIXED)] if name.endswith(FIXED) else None
+    return method if method in configs else PLAIN
+
+
 def variants(speculative: dict[str, SpeculativeConfig], all_accepted: bool
              ) -> dict[str, SpeculativeConfig | None]:
-    """Every config a round runs beside a plain engine: the methods, each method's fixed rounds
-    (``draft_length="fixed"``: what the controller must match), ``plain_again`` (plain decoding
+    """Every config a round runs (each beside its ``partner``): the methods, each method's fixed
+    rounds (``draft_length="fixed"``: what the controller must match), ``plain_again`` (plain decoding
     against itself, the noise floor) and with ``all_accepted`` each method's all-accepted config."""
     configs: dict[str, SpeculativeConfig | None] = {**speculative, "plain_again": None}
     configs |= {name + FIXED: dataclasses.replace(config, draft_length="fixed")
@@ -324,7 +338,8 @@ def run(args: argparse.Namespace) -> dict:
         result[f"rounds_b{batch}"] = len(next(iter(pairs.values())))
         runs = {key: [run for run, _ in rs] for key, rs in pairs.items()}
         beside = {key: [plain for _, plain in rs] for key, rs in pairs.items()}  # each run's plain partner
-        plain_runs = {load: [r for name in configs for r in beside[name, load]] for load in loads}
+        plain_runs = {load: [r for name in configs if partner(name, configs) == PLAIN
+                             for r in beside[name, load]] for load in loads}
         reference = {load: plain_runs[load][0][0] for load in loads}  # plain decoding's outputs
         outs = {key: rs[0][0] for key, rs in runs.items()}
         seconds = {key: [r[1] for r in rs] for key, rs in runs.items()}
@@ -334,7 +349,7 @@ def run(args: argparse.Namespace) -> dict:
         for load in loads:
             equal &= all(r[0] == reference[load] for r in plain_runs[load])
         for (name, load), rs in runs.items():
-            equal &= all(r[0] == reference[load] for r in rs)
+            equal &= all(r[0] == reference[load] for r in rs + beside[name, load])
             if name == "plain_again":  # the noise floor: plain decoding against itself
                 result[f"plain_vs_plain_{load}_b{batch}"] = round(
                     paired(base[name, load], seconds[name, load]), 2)
@@ -343,9 +358,9 @@ def run(args: argparse.Namespace) -> dict:
                 result[f"all_accepted_{name[:-len(ALL_ACCEPTED)]}_{load}_b{batch}"] = round(
                     paired(base[name, load], seconds[name, load]), 2)
                 continue
-            if name.endswith(FIXED):
-                result[f"fixed_{name[:-len(FIXED)]}_{load}_b{batch}"] = round(
-                    paired(base[name, load], seconds[name, load]), 2)
+            if name.endswith(FIXED):  # beside the controller: its speed over fixed rounds'
+                result[f"controller_vs_fixed_{name[:-len(FIXED)]}_{load}_b{batch}"] = round(
+                    paired(seconds[name, load], base[name, load]), 3)
                 continue
             cell, stats = f"{name}_{load}_b{batch}", [r[2] for r in rs]  # every round's run
             more = tokens(outs[name, load]) / tokens(reference[load])
@@ -397,9 +412,12 @@ def run(args: argparse.Namespace) -> dict:
              if k.startswith("speedup_") and any(f"_{load}_b" in k for load in loads)}
     result["min_speedup"] = min(cells.values())
     result["min_speedup_cell"] = min(cells, key=cells.get)
-    # the controller against the better of fixed rounds and plain decoding (1.0), cell by cell
-    versus = {cell: round(v / max(1.0, result[f"fixed_{cell}"]), 3)
-              for cell, v in cells.items() if f"fixed_{cell}" in result}
+    # the controller against the better of fixed rounds and plain decoding, cell by cell, each
+    # ratio met head to head
+    against_fixed = {cell: result[f"controller_vs_fixed_{cell}"] for cell in cells
+                     if f"controller_vs_fixed_{cell}" in result}
+    result |= {f"fixed_{cell}": round(cells[cell] / v, 2) for cell, v in against_fixed.items()}
+    versus = {cell: round(min(cells[cell], v), 3) for cell, v in against_fixed.items()}
     result |= {f"controller_vs_best_fixed_{cell}": v for cell, v in versus.items()}
     if versus:
         result["controller_vs_best_fixed_min"] = min(versus.values())
