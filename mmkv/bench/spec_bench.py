@@ -72,6 +72,7 @@ from speculative import SpeculativeConfig
 from speculative.proposers import SpeculationStats
 
 PARAMS = SamplingParams(max_tokens=48)
+LOADS = ("scenes", "summaries", "short", "mixed")  # the workloads (``workloads``)
 METHODS = ("early_exit", "draft")  # the speculative configs (plain_again: plain beside plain)
 MAX_ROUNDS = 4  # a batch size's counted rounds are at most this x --repeats
 ALL_ACCEPTED = "_all_accepted"  # a method's config with the target's own tokens as its drafts
@@ -85,6 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=32, help="per workload, served at batch 8 and 32")
     p.add_argument("--batch1-requests", type=int, default=8, help="per workload, served one at a time")
     p.add_argument("--batches", default="1,8,32", help="batch sizes")
+    p.add_argument("--loads", default=",".join(LOADS),
+                   help="workloads, of " + ", ".join(LOADS) + " (transformers runs with summaries at batch 1)")
     p.add_argument("--num-tokens", type=int, default=BUNDLED_SPECULATION["num_tokens"],
                    help="most draft tokens per round")
     p.add_argument("--early-exit-layer", type=int, default=None,
@@ -314,7 +317,11 @@ def run(args: argparse.Namespace) -> dict:
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     batches = [int(b) for b in args.batches.split(",")]
-    loads, warm = workloads(args.requests, args.seed), warm_ups(args.seed)
+    chosen = args.loads.split(",")
+    if unknown := [load for load in chosen if load not in LOADS]:
+        raise SystemExit(f"--loads: unknown workload {', '.join(unknown)} (choose from {', '.join(LOADS)})")
+    loads = {load: prompts for load, prompts in workloads(args.requests, args.seed).items() if load in chosen}
+    warm = warm_ups(args.seed)
     speculative = {"early_exit": SpeculativeConfig(
         num_tokens=args.num_tokens, early_exit_layer=args.early_exit_layer,
         adaptive_threshold=args.adaptive_threshold or None, draft_length=args.draft_length)}
@@ -429,7 +436,7 @@ def run(args: argparse.Namespace) -> dict:
         # its K/V is the target's own, so only the slots reserved for a round's drafts count.
         result["draft_extra_blocks_early_exit"] = (result[f"peak_blocks_early_exit_b{batches[1]}"]
                                                    - result[f"peak_blocks_plain_b{batches[1]}"])
-    if 1 in batches:
+    if 1 in batches and "summaries" in loads:
         equal &= _against_transformers(args, loads["summaries"][:args.batch1_requests], ours, result)
     result["outputs_equal"] = equal
     _chart(args.chart, batches, result, methods, list(loads))

@@ -22,13 +22,12 @@ import argparse
 from dataclasses import fields, replace
 from pathlib import Path
 
-from mmkv.bench.spec_bench import PLAIN, fresh_engine, in_turns, paired, warm_ups, workloads
+from mmkv.bench.spec_bench import LOADS, PLAIN, fresh_engine, in_turns, paired, warm_ups, workloads
 from mmkv.bundled import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL, BUNDLED_SPECULATION
 from speculative import SpeculativeConfig
 from speculative.controller import Settings
 
 METHODS = ("early_exit", "draft_model")
-LOADS = ("scenes", "summaries", "short", "mixed")
 ENGINES = (PLAIN, "old", "new")  # built and led in this order (``spec_bench.in_turns``)
 
 
