@@ -47,8 +47,9 @@ class OutputLengths:
             return np.ones((len(generated), positions + 1))
         if self._sorted is None:
             self._sorted = np.sort(np.fromiter(self.recent, dtype=np.int64))
-        done, running = self._sorted, np.sort(np.asarray(generated, dtype=np.int64))
-        lengths = np.asarray(generated, dtype=np.int64)[:, None] + np.arange(1, max(positions, 1) + 1)
+        done, generated = self._sorted, np.asarray(generated, dtype=np.int64)
+        running = np.sort(generated)
+        lengths = generated[:, None] + np.arange(1, max(positions, 1) + 1)
         at_least = len(done) - np.searchsorted(done, lengths)  # recent outputs at least m long
         ended = at_least - (len(done) - np.searchsorted(done, lengths + 1))  # ... exactly m long
         reached = at_least + len(running) - np.searchsorted(running, lengths)  # and running ones

@@ -344,7 +344,7 @@ def run(args: argparse.Namespace) -> dict:
         pairs = interleaved(args.model, subset, warm, batch, configs, args.repeats, args.seconds)
         result[f"rounds_b{batch}"] = len(next(iter(pairs.values())))
         runs = {key: [run for run, _ in rs] for key, rs in pairs.items()}
-        beside = {key: [plain for _, plain in rs] for key, rs in pairs.items()}  # each run's plain partner
+        beside = {key: [other for _, other in rs] for key, rs in pairs.items()}  # each run's partner's
         plain_runs = {load: [r for name in configs if partner(name, configs) == PLAIN
                              for r in beside[name, load]] for load in loads}
         reference = {load: plain_runs[load][0][0] for load in loads}  # plain decoding's outputs
@@ -353,9 +353,7 @@ def run(args: argparse.Namespace) -> dict:
         base = {key: [r[1] for r in rs] for key, rs in beside.items()}
         decoding = {key: [r[2]["run_decode_seconds"] for r in rs] for key, rs in runs.items()}
         base_decoding = {key: [r[2]["run_decode_seconds"] for r in rs] for key, rs in beside.items()}
-        for load in loads:
-            equal &= all(r[0] == reference[load] for r in plain_runs[load])
-        for (name, load), rs in runs.items():
+        for (name, load), rs in runs.items():  # every run and its partner's
             equal &= all(r[0] == reference[load] for r in rs + beside[name, load])
             if name == "plain_again":  # the noise floor: plain decoding against itself
                 result[f"plain_vs_plain_{load}_b{batch}"] = round(
