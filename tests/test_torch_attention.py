@@ -38,10 +38,10 @@ def dense_reference(q, k, v, kv_len, scale, window=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
 
 
-def build(seqs, num_pages=64, seed=0):
+def build(seqs, num_pages=64, seed=0, dtype=torch.float32):
     """seqs: list of (kv_len, q_len, shared_with_index_or_None, shared_tokens)."""
     g = torch.Generator().manual_seed(seed)
-    layer = torch.zeros(num_pages, 2, BS, HKV, D)
+    layer = torch.zeros(num_pages, 2, BS, HKV, D, dtype=dtype)
     free = list(range(num_pages))
     tables, kvs = [], []
     for kv_len, q_len, parent, shared in seqs:
@@ -58,22 +58,36 @@ def build(seqs, num_pages=64, seed=0):
     return layer, tables, kvs, g
 
 
+# A batch of every kind of row: (kv_len, q_len, shared_with_index_or_None, shared_tokens).
+MIXED = [(13, 13, None, 0),  # a short prompt (batched in the bucket of 9-16 new tokens)
+         (90, 70, None, 0),  # a long prompt (more than SHORT_QUERY new tokens: attended alone)
+         (19, 1, None, 0),  # decode, parent of a group
+         (21, 1, 2, 16),  # decode sharing 4 full pages with seq 2
+         (17, 1, 2, 16),  # decode sharing 4 pages; its last page is new
+         (22, 6, 2, 16),  # a speculative verification over a shared prefix (bucket 5-8)
+         (19, 5, 2, 16),  # one whose new tokens start inside the pages it shares
+         (9, 1, None, 0)]  # decode alone
+
+
 # The runner plans cascade only when no sliding window cuts into a sequence.
 @pytest.mark.parametrize("cascade, window", [(True, None), (False, None), (False, 5)])
 def test_mixed_batch_matches_dense(cascade, window):
-    seqs = [(13, 13, None, 0),  # a short prompt (batched in the bucket of 9-16 new tokens)
-            (90, 70, None, 0),  # a long prompt (more than SHORT_QUERY new tokens: attended alone)
-            (19, 1, None, 0),  # decode, parent of a group
-            (21, 1, 2, 16),  # decode sharing 4 full pages with seq 2
-            (17, 1, 2, 16),  # decode sharing 4 pages; its last page is new
-            (22, 6, 2, 16),  # a speculative verification over a shared prefix (bucket 5-8)
-            (19, 5, 2, 16),  # one whose new tokens start inside the pages it shares
-            (9, 1, None, 0)]  # decode alone
-    batch = assert_matches_dense(seqs, cascade, window)
+    batch = assert_matches_dense(MIXED, cascade, window)
     # buckets of 1, 5-8 and 9-16 new tokens; without cascade the decodes' own pages (3 and 5-6)
     # fall in two width classes, so their bucket splits
     assert batch.prefill == [1] and len(batch.decode) == (3 if cascade else 4)
     assert len(batch.cascade_groups) == (2 if cascade else 0)  # one per bucket: decodes, verifications
+
+
+@pytest.mark.parametrize("cascade, window", [(True, None), (False, None), (False, 5)])
+def test_gpu_arithmetic_in_bfloat16_matches_dense(cascade, window, decode_path, monkeypatch):
+    """What a CUDA device runs, here on the CPU: attention in the query's dtype (bfloat16) by
+    matmuls, the float32 masks of padded rows added without promoting the scores."""
+    if decode_path == "native":
+        pytest.skip("the native kernel is the CPU's own")
+    monkeypatch.setattr(torch_backend, "compute_dtype", lambda query: query.dtype)
+    monkeypatch.setattr(torch_backend, "fused_cpu_kernel", lambda q: False)
+    assert_matches_dense(MIXED, cascade, window, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("q_lens, in_order", [([1, 1, 1], [True]), ([4, 4], [True]), ([3, 4], [False]),
@@ -86,10 +100,10 @@ def test_short_query_batches_in_order_are_attended_in_place(q_lens, in_order):
     assert [plan.in_order for plan in batch.decode] == in_order
 
 
-def assert_matches_dense(seqs, cascade, window):
-    """Plan ``seqs`` (see ``build``), write their new K/V, attend, and compare every row with the
-    dense reference; returns the plan."""
-    layer, tables, kvs, g = build(seqs)
+def assert_matches_dense(seqs, cascade, window, dtype=torch.float32):
+    """Plan ``seqs`` (see ``build``), write their new K/V, attend (in ``dtype``), and compare every
+    row with the dense reference; returns the plan."""
+    layer, tables, kvs, g = build(seqs, dtype=dtype)
     q_lens = [q for _, q, _, _ in seqs]
     kv_lens = [n for n, _, _, _ in seqs]
     batch = plan_batch(tables, q_lens, kv_lens, BS, torch.device("cpu"), cascade=cascade)
@@ -101,12 +115,14 @@ def assert_matches_dense(seqs, cascade, window):
     new_k = torch.cat([k[n - q:] for (n, q, _, _), (k, _) in zip(seqs, kvs)])
     new_v = torch.cat([v[n - q:] for (n, q, _, _), (_, v) in zip(seqs, kvs)])
     write_kv(layer, batch, new_k, new_v)
-    query = torch.randn(sum(q_lens), HQ, D, generator=g)
+    query = torch.randn(sum(q_lens), HQ, D, generator=g).to(dtype)
     out = attention(query, layer, batch, scale=D ** -0.5, sliding_window=window)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # bfloat16: 8 bits of mantissa, unit-scale values
     start = 0
     for (n, q, _, _), (k, v) in zip(seqs, kvs):
-        want = dense_reference(query[start:start + q], k, v, n, D ** -0.5, window)
-        torch.testing.assert_close(out[start:start + q], want, atol=1e-5, rtol=1e-5)
+        want = dense_reference(query[start:start + q], k.to(dtype), v.to(dtype), n, D ** -0.5, window)
+        torch.testing.assert_close(out[start:start + q].float(), want, atol=tol, rtol=tol)
         start += q
     return batch
 

@@ -15,12 +15,16 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
               initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
+# Each family's config from COMMON and the given fields; fields are set at construction, so
+# derived ones (head_dim from hidden_size and num_attention_heads) follow them.
 FAMILIES = {
-    "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False),
-    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
-    "mistral": lambda: MistralConfig(**COMMON, sliding_window=24, tie_word_embeddings=False),
-    "llama_rope_scaled": lambda: LlamaConfig(
-        **COMMON, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    "llama": lambda **kw: LlamaConfig(**{**COMMON, "tie_word_embeddings": False, **kw}),
+    "qwen2": lambda **kw: Qwen2Config(**{**COMMON, "tie_word_embeddings": True, **kw}),
+    "mistral": lambda **kw: MistralConfig(
+        **{**COMMON, "sliding_window": 24, "tie_word_embeddings": False, **kw}),
+    "llama_rope_scaled": lambda **kw: LlamaConfig(**{
+        **COMMON, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        **kw}),
 }
 
 # Speculation that learns its pass costs from its first rounds, which therefore run (explore)
@@ -33,9 +37,7 @@ LEARNING = Settings(calibrate=0)
 def build_model(family: str, directory: Path, seed: int = 0, **overrides) -> Path:
     """Save a seeded random model of ``family`` into ``directory``; returns the directory."""
     hf_logging.disable_progress_bar()
-    config = FAMILIES[family]()
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    config = FAMILIES[family](**overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # transformers starts biases (Qwen2's Q/K/V) at zero, which hides their use

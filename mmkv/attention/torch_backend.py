@@ -209,8 +209,8 @@ def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     """Softmax attention of ``q [B, H, M, D]`` over ``k, v [B, H, L, D]`` with an additive ``bias``
     (``0`` / ``-inf``, broadcast to ``[B, H, M, L]``) or, with ``causal``, over a square (``M ==
     L``) causally: the output and the natural-log log-sum-exp ``[B, H, M, 1]`` (what merging two
-    key sets needs). On the CPU one fused kernel does it."""
-    if q.device.type == "cpu":
+    key sets needs). On the CPU one fused kernel does it, elsewhere matmuls in ``q``'s dtype."""
+    if fused_cpu_kernel(q):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, is_causal=causal, attn_mask=bias, scale=scale)
         return out, lse[..., None]
@@ -218,9 +218,14 @@ def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     if causal:
         scores.masked_fill_(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), float("-inf"))
     if bias is not None:
-        scores = scores + bias
+        scores.add_(bias)  # in place: the float32 mask must not promote the scores
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     return torch.matmul(scores.sub_(lse).exp_(), v), lse
+
+
+def fused_cpu_kernel(q: torch.Tensor) -> bool:
+    """Whether ``_attend_with_lse`` runs torch's fused CPU attention kernel for ``q``."""
+    return q.device.type == "cpu"
 
 
 def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

@@ -47,11 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _engine(model_dir: Path, backend: str, block_size: int, cascade: bool = True) -> Engine:
+def _engine(model_dir: Path, backend: str, block_size: int, cascade: bool = True,
+            enable_prefix_caching: bool = True) -> Engine:
     engine_class = Engine if cascade else NoCascadeEngine
     return engine_class(model_dir, device="cuda", dtype="bfloat16", kv_cache_memory="8GiB",
                         host_kv_memory="64MiB", block_size=block_size, attention_backend=backend,
-                        max_num_batched_tokens=8192)
+                        max_num_batched_tokens=8192, enable_prefix_caching=enable_prefix_caching)
 
 
 def decode_seconds(engine: Engine, prompts: list[list[int]], new: int) -> tuple[list[list[int]], float]:
