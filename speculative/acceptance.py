@@ -7,6 +7,9 @@ Each is a decayed count of hits over trials, shrunk toward the rate of position 
 toward 1) with the weight of ``PRIOR`` trials, so a position no round has reached goes as the
 deepest one reached. A rate is conditional on reaching its position.
 
+A batch is priced on its sequences' rounds, pooled, the engine's rate weighing ``BATCH_PRIOR``
+trials (``batch_rates``): scenes left after report summaries end go by their own drafts.
+
 Invariant: every rate is in ``[0, 1]``.
 """
 
@@ -18,6 +21,7 @@ import numpy as np
 
 DECAY = 0.98  # per sequence-round observed
 PRIOR = 1.0  # trials' weight of the position before (the first: of rate 1) in a position's rate
+BATCH_PRIOR = 4.0  # trials' weight of the engine's rate in a batch's
 
 
 @dataclass(slots=True)
@@ -50,10 +54,11 @@ class DecayedRate:
 
 @dataclass(slots=True)
 class DraftHistory:
-    """What one sequence drafted: the steps decided for it and the drafts it proposed."""
+    """What one sequence drafted: the steps decided for it, the drafts it proposed, its rounds."""
 
     decisions: int = 0
     drafted: int = 0
+    counts: np.ndarray | None = None  # hits, trials of proposing; of accepting [4, positions]
 
 
 @dataclass(slots=True)
@@ -81,6 +86,10 @@ class AcceptanceModel:
         self.version += 1
         self.proposed.observe([True] * proposed + ([False] if confidence_stop else []), DECAY)
         self.accepted.observe([True] * accepted + ([False] if accepted < proposed else []), DECAY)
+        history.counts = np.zeros((4, self.positions)) if history.counts is None else history.counts
+        for row, n in enumerate((proposed, proposed + confidence_stop, accepted,
+                                 accepted + (accepted < proposed))):
+            history.counts[row, :n] += 1.0
 
     def rates(self, limit: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``proposed`` and ``accepted`` rates at positions ``1..limit`` (derived once per
@@ -88,3 +97,10 @@ class AcceptanceModel:
         if self._rates is None or self._rates[0] != self.version:
             self._rates = (self.version, np.array(self.proposed.chain()), np.array(self.accepted.chain()))
         return self._rates[1][:limit], self._rates[2][:limit]
+
+    def batch_rates(self, histories: list[DraftHistory], limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """``rates`` for a batch of sequences with these ``histories`` (the engine's where none drafted)."""
+        proposed, accepted = self.rates(limit)
+        hits = sum((h.counts[:, :limit] for h in histories if h.counts is not None), np.zeros((4, limit)))
+        return ((hits[0] + BATCH_PRIOR * proposed) / (hits[1] + BATCH_PRIOR),
+                (hits[2] + BATCH_PRIOR * accepted) / (hits[3] + BATCH_PRIOR))

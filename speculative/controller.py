@@ -6,7 +6,7 @@ is what fixed rounds do, and the threshold stops a sequence better than a length
 from rates. What is chosen is whether a round pays at all, step by step.
 
 The model. Plainly, ``B`` sequences yield ``B`` tokens in one pass costing ``T_plain(B)``. With the
-engine's rates (``speculative.acceptance``: ``c_j`` the draft proposes its ``j``-th token, ``a_j``
+batch's rates (``speculative.acceptance``: ``c_j`` the draft proposes its ``j``-th token, ``a_j``
 the target accepts it) and ``speculative.lengths``' survival ``S_bj`` (sequence ``b`` runs ``j``
 tokens past its next one; 0 past its limit ``g_b``), ``D_j = c_1 ... c_j``, ``A_j = a_1 ... a_j``:
 
@@ -24,13 +24,11 @@ costs calibrated, only where a round whose every draft is accepted would pay (el
 ``HOLD_MAX`` steps). Nothing is priced before a plain pass is timed.
 
 Catch-up: a draft model follows prompts at prefill only after a priced round (``drafting_lately``);
-otherwise a round first fills in what it skipped in one pass.
-
-Holding: a priced decision is kept for 1 step, doubling each time pricing repeats it in the batch's
-size class (1, 2-3, 4-7, ...) up to ``HOLD_MAX`` (plain) or ``ROUND_HOLD_MAX`` (rounds). A plain
-hold ends when a sequence joins or the batch shrinks into a smaller class; a round hold when it
-grows into a larger one. Each constant is a default of ``Settings``; why each rule, and what it
-measured: docs/speculation.md.
+otherwise a round first fills in what it skipped in one pass. Holding: a priced decision is kept for
+1 step, doubling each time pricing repeats it in the batch's size class (1, 2-3, 4-7, ...) up to
+``HOLD_MAX`` (plain) or ``ROUND_HOLD_MAX`` (rounds). A plain hold ends when a sequence joins or the
+batch shrinks into a smaller class; a round hold when it grows into a larger one. Each constant is a
+default of ``Settings``; why each rule, and what it measured: docs/speculation.md.
 
 Invariants: a chosen length is 0 or the limit (exploring: at most ``explore_length``); with
 ``fixed`` it is the limit. Decisions use past rounds only, so verification stays exact.
@@ -138,7 +136,7 @@ class DraftLengthController:
         elif (held := self._held(histories)) is not None:
             caps = list(limits()) if held else [0] * len(histories)
         else:
-            caps = self._caps(limits(), *state(), beside_prompts)
+            caps = self._caps(histories, limits(), *state(), beside_prompts)
         for history in histories:
             history.decisions += 1
         self.decisions += len(caps)
@@ -179,12 +177,11 @@ class DraftLengthController:
         """How often it drafted 0 and how often it priced its choice, and each sequence's mean
         draft length (drafts proposed per step it decided for), summarised over the last
         ``HISTORIES_KEPT`` sequences."""
-        means = [h.drafted / h.decisions for h in self.histories if h.decisions]
+        means = [h.drafted / h.decisions for h in self.histories if h.decisions] or [0.0]
         return {"spec_decisions": self.decisions, "spec_zero_drafts": self.zero,
                 "spec_plain_steps": self.plain_steps, "spec_planned": self.planned,
-                "spec_seq_mean_draft_length_min": round(min(means), 4) if means else 0.0,
-                "spec_seq_mean_draft_length_mean": round(sum(means) / len(means), 4) if means else 0.0,
-                "spec_seq_mean_draft_length_max": round(max(means), 4) if means else 0.0}
+                **{f"spec_seq_mean_draft_length_{name}": round(value, 4) for name, value in
+                   (("min", min(means)), ("mean", sum(means) / len(means)), ("max", max(means)))}}
 
     def observe_round(self, history: DraftHistory, chosen: int, proposed: int, accepted: int,
                       confidence_stop: bool) -> None:
@@ -196,8 +193,9 @@ class DraftLengthController:
         one row each) attending ``context`` tokens in all took ``seconds``."""
         self.costs.observe(kind, rows, context, seconds, sequences)
 
-    def _caps(self, limits: list[int], lengths: list[int], progress: list[tuple[int, int]] | None,
-              behind: list[int] | None, beside_prompts: bool = False) -> list[int]:
+    def _caps(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
+              progress: list[tuple[int, int]] | None, behind: list[int] | None,
+              beside_prompts: bool = False) -> list[int]:
         batch = len(limits)
         if not any(limits):
             self._hold = None
@@ -208,7 +206,7 @@ class DraftLengthController:
             if beside_prompts:
                 return [0] * batch
             if costs.count("plain") and costs.count("verify") and not self._pays(
-                    limits, lengths, progress, behind, sure=True):
+                    histories, limits, lengths, progress, behind, sure=True):
                 self.planned += 1  # not even a draft that is always right would pay
                 self._hold_after(False, batch, far=True)
                 return [0] * batch
@@ -221,18 +219,19 @@ class DraftLengthController:
             self._hold = None
             return [0] * batch  # no pricing before a plain pass is timed
         self.planned += 1
-        pays = self._pays(limits, lengths, progress, behind)
+        pays = self._pays(histories, limits, lengths, progress, behind)
         self._hold_after(pays, batch)
         return list(limits) if pays else [0] * batch
 
-    def _pays(self, limits: list[int], lengths: list[int], progress: list[tuple[int, int]] | None,
-              behind: list[int] | None, sure: bool = False) -> bool:
+    def _pays(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
+              progress: list[tuple[int, int]] | None, behind: list[int] | None, sure: bool = False) -> bool:
         """Whether a round beats plain decoding by the margin, its catch-up included, priced with
-        the engine's rates or, ``sure``, with every draft accepted."""
+        the batch's rates (its sequences' ``histories``) or, ``sure``, with every draft accepted."""
         costs, batch, depth = self.costs, len(limits), max(limits)
         sizes = np.asarray(lengths, dtype=np.float64)
         context = float(sizes.sum())
-        proposed, accepted = (np.ones(depth), np.ones(depth)) if sure else self.acceptance.rates(depth)
+        proposed, accepted = (np.ones(depth), np.ones(depth)) if sure else \
+            self.acceptance.batch_rates(histories, depth)
         d, a = np.cumprod(proposed), np.cumprod(proposed * accepted)
         horizon = max(depth, self.positions)  # a catch-up's spread: num_tokens of each output at most
         caps = np.asarray([cap for _, cap in progress] if progress is not None else limits) + (progress is None)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculative.acceptance import DECAY, PRIOR, AcceptanceModel, DraftHistory
+from speculative.acceptance import BATCH_PRIOR, DECAY, PRIOR, AcceptanceModel, DraftHistory
 
 
 def test_an_untried_model_expects_every_draft_proposed_and_accepted():
@@ -60,3 +60,37 @@ def test_rates_are_the_decayed_counts_chained_position_by_position(events):
                 before = (hits + PRIOR * before) / (trials + PRIOR)
                 want.append(before)
             assert list(got[which]) == pytest.approx(want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(0, 4), st.booleans()),
+                max_size=30), st.sets(st.integers(0, 3)), st.integers(1, 5))
+def test_a_batch_is_priced_on_its_own_rounds_shrunk_toward_the_engines_rates(rounds, batch, limit):
+    """Rounds of four sequences (``(sequence, proposed, accepted, stopped)``, each allowed 4);
+    a batch of some of them: at each position the hits over the trials of its sequences' rounds,
+    with the engine's rate weighing ``BATCH_PRIOR`` trials, counted naively; the engine's rates
+    alone where none of the batch has drafted."""
+    model = AcceptanceModel(5)
+    histories = [DraftHistory() for _ in range(4)]
+    kept: dict[int, list[tuple[int, int, bool]]] = {i: [] for i in range(4)}
+    for seq, proposed, accepted, stopped in rounds:
+        accepted = min(accepted, proposed)
+        stopped = stopped and proposed < 4
+        model.observe(histories[seq], 4, proposed, accepted, stopped)
+        kept[seq].append((proposed, accepted, stopped))
+    engine = model.rates(limit)
+    got = model.batch_rates([histories[i] for i in sorted(batch)], limit)
+    for which in (0, 1):
+        want = []
+        for j in range(limit):
+            hits = trials = 0.0
+            for proposed, accepted, stopped in (r for i in batch for r in kept[i]):
+                reached, made = ((proposed + stopped, proposed) if which == 0
+                                 else (accepted + (accepted < proposed), accepted))
+                trials += j < reached
+                hits += j < made
+            have_drafted = any(kept[i] for i in batch)
+            want.append((hits + BATCH_PRIOR * engine[which][j]) / (trials + BATCH_PRIOR)
+                        if have_drafted else engine[which][j])
+        assert list(got[which]) == pytest.approx(want)
+        assert all(0.0 <= rate <= 1.0 for rate in got[which])

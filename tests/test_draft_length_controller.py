@@ -232,6 +232,22 @@ def test_a_round_must_promise_the_margin():
     assert clear.choose([clear.history], [1], [10]) == [1]
 
 
+def test_a_batch_is_priced_on_its_own_rounds_not_on_the_engines():
+    """Scene descriptions beside report summaries: the scene's drafts are always accepted, the
+    summaries' (which drafted last) always rejected. A new sequence, with no round of its own,
+    goes by the engine's rates and decodes plainly; the scene, left running after the summaries
+    ended, is priced on its own rounds and drafts."""
+    controller = priced(0.001)  # the scene's one-draft rounds (``controller.history``)
+    summary = controller.new_history()
+    for _ in range(30):
+        controller.observe_round(controller.history, 1, 1, 1, False)
+    for _ in range(60):
+        controller.observe_round(summary, 1, 1, 0, False)
+    assert controller.acceptance.rates(1)[1][0] < 0.3
+    assert controller.choose([controller.new_history()], [1], [10]) == [0]
+    assert controller.choose([controller.history], [1], [10]) == [1]
+
+
 def test_plain_decisions_are_held_for_doubling_spans_per_batch_size_class():
     """After a priced plain decision the next steps in that batch size class (1, 2-3, 4-7, ...)
     or a larger one decode plainly without planning: 1 step, then 2, 4, 8 (so 3 of the first 8
