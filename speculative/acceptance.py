@@ -84,12 +84,12 @@ class AcceptanceModel:
         if chosen == 0:
             return
         self.version += 1
-        self.proposed.observe([True] * proposed + ([False] if confidence_stop else []), DECAY)
-        self.accepted.observe([True] * accepted + ([False] if accepted < proposed else []), DECAY)
         history.counts = np.zeros((4, self.positions)) if history.counts is None else history.counts
-        for row, n in enumerate((proposed, proposed + confidence_stop, accepted,
-                                 accepted + (accepted < proposed))):
-            history.counts[row, :n] += 1.0
+        for row, rate, outcomes in ((0, self.proposed, [True] * proposed + [False] * confidence_stop),
+                                    (2, self.accepted, [True] * accepted + [False] * (accepted < proposed))):
+            rate.observe(outcomes, DECAY)
+            history.counts[row, :sum(outcomes)] += 1.0  # its hits (a run from the first position)
+            history.counts[row + 1, :len(outcomes)] += 1.0  # its trials
 
     def rates(self, limit: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``proposed`` and ``accepted`` rates at positions ``1..limit`` (derived once per
