@@ -11,13 +11,14 @@ none of them ended there). Counting the running ones matters where a batch's out
 length: the first outputs to end are the short ones, and from them alone a batch of scene
 descriptions beside report summaries would look as if every scene ended when the summaries did.
 
-One more output ends at ``g + 1``: the sequence's own chance of ending now, so a sequence that has
-run past every output that anything says reached its length is not expected to run to its limit.
-Where no output reached a length the chance of going past it is 0: nothing is claimed past the
-evidence. With nothing recorded (a fresh engine) the chance is 1.
+Past every output that reached a length, nothing says where a sequence ends; there it ends at the
+recorded outputs' rate (a constant hazard: as many ends as they had, over the tokens they ran), so
+the last of a batch of short answers is expected to end soon and a scene description still
+running after a mixed batch's summaries ended is expected to run on. With nothing recorded (a
+fresh engine) the chance is 1.
 
-Invariant: ``survival`` is 1 at ``i = 0`` and falls with ``i``, below 1 after ``i = 0`` once an
-output is recorded; the sorted lengths are rebuilt after a record, on the next estimate.
+Invariant: ``survival`` is 1 at ``i = 0`` and never rises with ``i``; the sorted lengths are
+rebuilt after a record, on the next estimate.
 """
 
 from __future__ import annotations
@@ -53,8 +54,7 @@ class OutputLengths:
         at_least = len(done) - np.searchsorted(done, lengths)  # recent outputs at least m long
         ended = at_least - (len(done) - np.searchsorted(done, lengths + 1))  # ... exactly m long
         reached = at_least + len(running) - np.searchsorted(running, lengths)  # and running ones
-        reached[:, 0] += 1  # the sequence itself, ending at its next token
-        ended[:, 0] += 1
-        past = np.where(reached > 0, 1.0 - ended / np.maximum(reached, 1), 0.0)  # going past m
+        hazard = len(done) / max(float(done.sum()), len(done))  # past every output that reached m: their rate
+        past = np.where(reached > 0, 1.0 - ended / np.maximum(reached, 1), 1.0 - hazard)  # going past m
         return np.concatenate([np.ones((len(lengths), 1)), np.cumprod(past, axis=1)],
                               axis=1)[:, :positions + 1]

@@ -490,15 +490,33 @@ def test_a_sequence_behind_a_running_one_is_expected_to_run_as_far():
     """Recent outputs all ended after 3 tokens, and two sequences of the batch have run past
     them: one of 5 tokens behind one of 40 that is still running. The one behind is expected to
     go on as far as the one ahead has (it is not expected to end just because every output that
-    ended was short), so a round pays; the one ahead, past anything known, is not."""
+    ended was short); the one ahead, past anything known, ends at the recorded outputs' rate
+    (one end in 3 tokens). A round pays."""
     controller, histories = trained_on_catch_ups()
     for _ in range(10):
         controller.lengths.record(3)
     survival = controller.lengths.survival([5, 40], 4)
-    assert survival[0].tolist() == pytest.approx([1.0, 0.5, 0.5, 0.5, 0.5])
-    assert survival[1].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert survival[0].tolist() == pytest.approx([1.0] * 5)
+    assert survival[1].tolist() == pytest.approx([(2 / 3) ** i for i in range(5)])
     progress, behind = [(5, 100), (5, 100), (40, 100)], [500, 500, 500]
     assert controller.choose(histories, [4] * 3, [4000] * 3, progress, behind) == [4] * 3
+
+
+def test_sequences_past_every_recorded_output_run_on_at_the_recorded_rate():
+    """A mixed batch: report summaries ended after 25 tokens, and the scene descriptions beside
+    them are still running at 30, the draft model behind on each. Nothing recorded reached 31, so
+    each scene ends at the summaries' rate (one end in 25 tokens), not at once: rounds of a draft
+    always right pay, the catch-up with them. Had
+    the recorded outputs ended after 2 tokens (short answers), the same sequences would be expected
+    to end within a token or two, and plain decoding kept."""
+    for ran, caps in ((25, [4] * 3), (2, [0] * 3)):
+        controller, histories = trained_on_catch_ups()
+        for _ in range(16):
+            controller.lengths.record(ran)
+        survival = controller.lengths.survival([30] * 3, 4)
+        assert survival[0].tolist() == pytest.approx([(1 - 1 / ran) ** i for i in range(5)])
+        progress = [(30, 18)] * 3
+        assert controller.choose(histories, [4] * 3, [4000] * 3, progress, [500] * 3) == caps
 
 
 @settings(max_examples=200, deadline=None)
@@ -507,11 +525,11 @@ def test_a_sequence_behind_a_running_one_is_expected_to_run_as_far():
 def test_survival_is_the_product_limit_estimate_over_recent_and_running_outputs(finished, generated,
                                                                                positions):
     """Against the definition, computed naively, length by length: going past ``m`` is one less
-    the share of the outputs that reached ``m`` (recent ones at least ``m`` long, running ones
-    that generated ``m``, and at ``g + 1`` the sequence itself) that ended there (recent ones
-    exactly ``m`` long, and at ``g + 1`` the sequence itself); 0 where none reached ``m``; 1
-    when nothing was recorded. Where no running sequence is ahead, it is the share of recent
-    outputs longer than ``g``, and one more ``g + 1`` long, that ran ``g + 1 + i`` or further."""
+    the share of the outputs that reached ``m`` (recent ones at least ``m`` long, and running ones
+    that generated ``m``) that ended there (recent ones exactly ``m`` long); where none reached
+    ``m``, one less the recorded outputs' ends per token they ran; 1 when nothing was recorded.
+    Where no running sequence is ahead and a recent output ran past ``g``, it is the share of
+    recent outputs longer than ``g`` that ran ``g + 1 + i`` or further."""
     lengths = OutputLengths()
     for n in finished:
         lengths.record(n)
@@ -519,14 +537,15 @@ def test_survival_is_the_product_limit_estimate_over_recent_and_running_outputs(
     assert got.shape == (len(generated), positions + 1)
     for row, g in zip(got, generated):
         expected, chance = [1.0], 1.0
-        for m in range(g + 1, g + 1 + positions):
-            reached = sum(n >= m for n in finished) + sum(k >= m for k in generated) + (m == g + 1)
-            ended = sum(n == m for n in finished) + (m == g + 1)
-            chance *= 1.0 - ended / reached if reached else 0.0
-            expected.append(chance if finished else 1.0)
+        for m in range(g + 1, g + 1 + positions if finished else 0):
+            reached = sum(n >= m for n in finished) + sum(k >= m for k in generated)
+            ended = sum(n == m for n in finished)
+            chance *= 1.0 - ended / reached if reached else 1.0 - len(finished) / sum(finished)
+            expected.append(chance)
+        expected += [1.0] * (positions + 1 - len(expected))  # nothing recorded: 1
         assert row.tolist() == pytest.approx(expected)
-        if finished and max(generated) <= g:
-            past = [n for n in finished if n > g] + [g + 1]
+        past = [n for n in finished if n > g]
+        if past and max(generated) <= g:
             assert row.tolist() == pytest.approx([sum(n >= g + 1 + i for n in past) / len(past)
                                                   for i in range(positions + 1)])
 
