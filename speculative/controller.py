@@ -21,7 +21,7 @@ draft model's catch-up spread over the tokens the batch is expected still to gen
 Exploring: until ``EXPLORE`` verification passes are timed and ``EXPLORE`` sequence-rounds seen, the
 first ``explore_sequences`` sequences (default: all) draft up to ``explore_length``; with the pass
 costs calibrated, only where a round whose every draft is accepted would pay (else plain, held
-``HOLD_MAX`` steps). Nothing is priced before a plain pass is timed.
+``HOLD_MAX`` steps, however the batch shrinks). Nothing is priced before a plain pass is timed.
 
 Catch-up: a draft model follows prompts at prefill only after a priced round (``drafting_lately``);
 otherwise a round first fills in what it skipped in one pass. Holding: a priced decision is kept for
@@ -95,7 +95,7 @@ class DraftLengthController:
         self.histories: deque[DraftHistory] = deque(maxlen=HISTORIES_KEPT)
         self.planned = 0  # decisions priced (the rest were held or explored)
         self._script: deque[int] = deque()  # ``follow_script``'s lengths still to draft
-        self._hold: tuple[bool, int, int] | None = None  # the held decision: a round?, size class, steps left
+        self._hold: tuple[bool, int, int] | None = None  # a round?, size class (0: any), steps left
         self._spans: dict[tuple[bool, int], int] = {}  # (a round?, size class) -> its last hold's span
 
     def follow_script(self, lengths: Iterable[int]) -> None:
@@ -158,14 +158,14 @@ class DraftLengthController:
 
     def _hold_after(self, round_: bool, batch: int, far: bool = False) -> None:
         """Hold a priced decision (a round, or plain decoding) for twice the span of the last
-        one of its kind in this size class (``far``: the longest span at once); the other kind's
-        span there starts again."""
+        one of its kind in this size class (``far``: the longest span at once, kept as the batch
+        shrinks); the other kind's span there starts again."""
         size_class, self.rounds_priced = batch.bit_length(), round_
         longest = self.settings.round_hold_max if round_ else self.settings.hold_max
         span = longest if far else min(longest, 2 * self._spans.get((round_, size_class), 0)) or 1
         self._spans[(round_, size_class)] = span
         self._spans.pop((not round_, size_class), None)
-        self._hold = (round_, size_class, span)
+        self._hold = (round_, 0 if far else size_class, span)
 
     def drafting_lately(self) -> bool:
         """Whether the last priced decision was a round: while it was not, a draft model's K/V of

@@ -285,14 +285,17 @@ def test_plain_decisions_are_held_for_doubling_spans_per_batch_size_class():
 
 def test_a_plain_decision_where_not_even_a_sure_draft_pays_is_held_as_long_as_any():
     """A batch of 32 where not even a draft that is always right would pay (0.5 ms a verification
-    row, as much as a plain step's): priced once, held ``HOLD_MAX`` steps; a round at 0.9x of
-    plain decoding is held for doubling spans, 1 step, then 2, 4 ..."""
+    row, as much as a plain step's): priced once, held ``HOLD_MAX`` steps, also once the batch has
+    shrunk to 8 (not priced again for each smaller class its sequences end into); a round at 0.9x
+    of plain decoding is held for doubling spans, 1 step, then 2, 4 ..."""
     spec = ScriptedPair(lambda seq, pos: True, lambda rows: 0.5 * rows, lambda rows: 5.0 + 0.5 * rows)
     plain = lambda rows: 5.0 + 0.5 * rows  # noqa: E731
     spec.controller.follow_script([0, 1, 0, 3])
     decode(spec, sequences(32), 4, plain)
     spec.keep_costs_only()
-    assert not any(map(any, decode(spec, sequences(32), HOLD_MAX, plain)))
+    seqs = sequences(32)
+    assert not any(map(any, decode(spec, seqs, HOLD_MAX // 2, plain)))
+    assert not any(map(any, decode(spec, seqs[:8], HOLD_MAX // 2, plain)))
     assert spec.controller.planned == 1
     controller = priced(0.003)
     h = controller.history
