@@ -509,9 +509,9 @@ def test_sequences_past_every_recorded_output_run_on_at_the_recorded_rate():
     """A mixed batch: report summaries ended after 25 tokens, and the scene descriptions beside
     them are still running at 30, the draft model behind on each. Nothing recorded reached 31, so
     each scene ends at the summaries' rate (one end in 25 tokens), not at once: rounds of a draft
-    always right pay, the catch-up with them. Had
-    the recorded outputs ended after 2 tokens (short answers), the same sequences would be expected
-    to end within a token or two, and plain decoding kept."""
+    always right pay, the catch-up with them. Had the recorded outputs ended after 2 tokens (short
+    answers), the same sequences would be expected to end within a token or two, and plain
+    decoding kept."""
     for ran, caps in ((25, [4] * 3), (2, [0] * 3)):
         controller, histories = trained_on_catch_ups()
         for _ in range(16):
@@ -540,12 +540,14 @@ def test_survival_is_the_product_limit_estimate_over_recent_and_running_outputs(
     assert got.shape == (len(generated), positions + 1)
     for row, g in zip(got, generated):
         expected, chance = [1.0], 1.0
-        for m in range(g + 1, g + 1 + positions if finished else 0):
+        for m in range(g + 1, g + 1 + positions):
+            if not finished:  # nothing recorded: 1
+                expected.append(1.0)
+                continue
             reached = sum(n >= m for n in finished) + sum(k >= m for k in generated)
             ended = sum(n == m for n in finished)
             chance *= 1.0 - ended / reached if reached else 1.0 - len(finished) / sum(finished)
             expected.append(chance)
-        expected += [1.0] * (positions + 1 - len(expected))  # nothing recorded: 1
         assert row.tolist() == pytest.approx(expected)
         past = [n for n in finished if n > g]
         if past and max(generated) <= g:
