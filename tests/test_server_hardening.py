@@ -213,14 +213,18 @@ def test_the_access_log_has_a_line_per_request_and_the_start_says_ready(caplog):
     caplog.set_level(logging.INFO, logger="mmkv.server")
     running = start_server(bundled_engine())
     try:
-        httpx.post(f"{running.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "the report",
-                                                           "max_tokens": 3}, timeout=60)
+        usage = httpx.post(f"{running.url}/v1/completions",
+                           json={"model": MODEL_NAME, "prompt": "the report", "max_tokens": 3},
+                           timeout=60).json()["usage"]
         httpx.post(f"{running.url}/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=60)
     finally:
         running.stop()
     lines = [r.getMessage() for r in caplog.records if r.name == "mmkv.server.access"]
-    assert any(line.startswith("POST /v1/completions 200 prompt=") and " completion=3 " in line
-               for line in lines), lines
+    # The default temperature samples, so the answer may end before max_tokens: the line must
+    # agree with the response's own usage.
+    expected = (f"POST /v1/completions 200 prompt={usage['prompt_tokens']} cached=0 "
+                f"completion={usage['completion_tokens']} ")
+    assert any(line.startswith(expected) for line in lines), (expected, lines)
     assert any(line.startswith("POST /v1/completions 404") for line in lines), lines
     assert "ready" in [r.getMessage() for r in caplog.records if r.name == "mmkv.server"]
 
