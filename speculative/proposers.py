@@ -55,7 +55,7 @@ from mmkv.structured import apply_draft_masks
 from mmkv.step_context import StepContext
 from speculative.acceptance import DraftHistory
 from speculative.config import SpeculativeConfig
-from speculative.controller import EARLY_EXIT_EXPLORE_LENGTH, EXPLORE_LENGTH, DraftLengthController
+from speculative.controller import EARLY_EXIT_EXPLORE_LENGTH, EXPLORE, EXPLORE_LENGTH, DraftLengthController
 from speculative.verification import Verdict, greedy_verdict, verify_sampling
 
 if TYPE_CHECKING:
@@ -339,7 +339,7 @@ class DraftModelSpeculator(Speculator):
     their pending token (it falls behind, as on a plain step)."""
 
     every_sequence_drafts = False
-    explore_sequences = 1  # it must first have its draft K/V filled in (the controller's docstring)
+    explore_sequences = EXPLORE  # each is caught up first; this many explore in one step
 
     def __init__(self, model: ModelAdapter, draft: ModelAdapter, kv: KVCache,
                  config: SpeculativeConfig, context: ContextFn) -> None:

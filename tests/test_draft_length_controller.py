@@ -420,6 +420,22 @@ def test_exploring_rounds_draft_for_at_most_explore_sequences_and_only_priced_ro
     assert few.choose(histories, [3] * 5, [10] * 5) == [0] * 5 and not few.drafting_lately()
 
 
+def test_a_calibrated_draft_model_explores_in_one_step():
+    """A draft model explores with as many sequences as the sequence-rounds exploring waits for
+    (each is caught up on its prompt first), so on an engine whose passes are timed already (its
+    calibration) one exploring step is all and the next is priced: with one sequence exploring, a
+    fresh engine's batch of summaries spent two steps exploring where fixed rounds drafted."""
+    controller = DraftLengthController(4, explore_sequences=DraftModelSpeculator.explore_sequences,
+                                       costs=priced(0.002).costs)
+    histories = [controller.new_history() for _ in range(8)]
+    caps = controller.choose(histories, [3] * 8, [10] * 8)
+    assert sorted(caps) == [0] * (8 - EXPLORE) + [EXPLORE_LENGTH] * EXPLORE
+    for history, cap in zip(histories, caps):
+        if cap:
+            controller.observe_round(history, cap, cap, cap, False)
+    assert controller.choose(histories, [3] * 8, [10] * 8) == [3] * 8 and controller.planned == 1
+
+
 def test_a_step_that_carries_prompt_chunks_does_not_explore():
     """Plain decoding rides the pass of a step's prompt chunks at little cost; an exploring round
     beside them is a verification pass of its own (a batch of 32 summaries explored while its
