@@ -91,16 +91,19 @@ class AcceptanceModel:
             history.counts[row, :sum(outcomes)] += 1.0  # its hits (a run from the first position)
             history.counts[row + 1, :len(outcomes)] += 1.0  # its trials
 
-    def rates(self, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    def rates(self, limit: int) -> tuple[list[float], list[float]]:
         """The ``proposed`` and ``accepted`` rates at positions ``1..limit`` (derived once per
         observation)."""
         if self._rates is None or self._rates[0] != self.version:
-            self._rates = (self.version, np.array(self.proposed.chain()), np.array(self.accepted.chain()))
+            self._rates = (self.version, self.proposed.chain(), self.accepted.chain())
         return self._rates[1][:limit], self._rates[2][:limit]
 
-    def batch_rates(self, histories: list[DraftHistory], limit: int) -> tuple[np.ndarray, np.ndarray]:
+    def batch_rates(self, histories: list[DraftHistory], limit: int) -> tuple[list[float], list[float]]:
         """``rates`` for a batch of sequences with these ``histories`` (the engine's where none drafted)."""
         proposed, accepted = self.rates(limit)
-        hits = sum((h.counts[:, :limit] for h in histories if h.counts is not None), np.zeros((4, limit)))
-        return ((hits[0] + BATCH_PRIOR * proposed) / (hits[1] + BATCH_PRIOR),
-                (hits[2] + BATCH_PRIOR * accepted) / (hits[3] + BATCH_PRIOR))
+        counted = [h.counts[:, :limit] for h in histories if h.counts is not None]
+        if not counted:
+            return proposed, accepted
+        hits = np.sum(counted, axis=0)
+        return tuple(((hits[2 * k] + BATCH_PRIOR * np.array(engine)) / (hits[2 * k + 1] + BATCH_PRIOR)).tolist()
+                     for k, engine in enumerate((proposed, accepted)))

@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import accumulate
+from operator import mul
 from dataclasses import dataclass
 from typing import Callable, Iterable
-
-import numpy as np
 
 from speculative.acceptance import AcceptanceModel, DraftHistory
 from speculative.costs import CONTEXT_SCALE, ROW_SCALE, PassCosts
@@ -226,25 +226,29 @@ class DraftLengthController:
     def _pays(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
               progress: list[tuple[int, int]] | None, behind: list[int] | None, sure: bool = False) -> bool:
         """Whether a round beats plain decoding by the margin, its catch-up included, priced with
-        the batch's rates (its sequences' ``histories``) or, ``sure``, with every draft accepted."""
+        the batch's rates (its sequences' ``histories``) or, ``sure``, with every draft accepted;
+        alike sequences once, in scalar loops (numpy's per-call cost outweighs a few dozen terms)."""
         costs, batch, depth = self.costs, len(limits), max(limits)
-        sizes = np.asarray(lengths, dtype=np.float64)
-        context = float(sizes.sum())
-        proposed, accepted = (np.ones(depth), np.ones(depth)) if sure else \
-            self.acceptance.batch_rates(histories, depth)
-        d, a = np.cumprod(proposed), np.cumprod(proposed * accepted)
+        proposed, accepted = ([1.0] * depth,) * 2 if sure else self.acceptance.batch_rates(histories, depth)
+        d, a = list(accumulate(proposed, mul)), list(accumulate(map(mul, proposed, accepted), mul))
         horizon = max(depth, self.positions)  # a catch-up's spread: num_tokens of each output at most
-        caps = np.asarray([cap for _, cap in progress] if progress is not None else limits) + (progress is None)
-        running = (self.lengths.survival([generated for generated, _ in progress], horizon)
-                   if progress is not None else np.ones((batch, horizon + 1)))
-        running[np.arange(horizon + 1) >= caps[:, None]] = 0.0  # no token past the limit
-        within = np.arange(depth) < np.asarray(limits)[:, None]  # [B, depth]
-        propose = d * running[:, :depth] * within  # sequence b proposes its j-th draft
-        tokens = batch + float((a * running[:, 1:depth + 1] * within).sum())
-        rows = propose.sum(axis=0)  # draft pass j's rows
-        runs = float((1.0 - np.prod(1.0 - propose, axis=0)).sum())  # a pass runs if anyone proposes
-        attended = float((sizes @ propose).sum() + np.arange(1, depth + 1) @ rows)
-        rows = float(rows.sum())
+        survival = self.lengths.survival([g for g, _ in progress], horizon) if progress is not None else {}
+        alike: dict[tuple, list[float]] = {}  # (generated, cap, limit) -> [sequences, their context]
+        for (generated, cap), limit, size in zip(progress or [(None, n + 1) for n in limits], limits, lengths):
+            group = alike.setdefault((generated, cap, limit), [0, 0.0])
+            group[0], group[1] = group[0] + 1, group[1] + size
+        rows, idle = [0.0] * depth, [1.0] * depth  # a draft pass's rows; the chance it runs for nobody
+        tokens, attended, running = float(batch), 0.0, 0.0
+        for (generated, cap, limit), (count, context) in alike.items():  # no token past the limit:
+            chance = survival.get(generated, [1.0] * (horizon + 1))[:cap] + [0.0] * (horizon + 1 - cap)
+            running += count * sum(chance)
+            for j in range(limit):  # the j+1-th draft: proposed, and the token after it accepted
+                propose = d[j] * chance[j]
+                rows[j] += count * propose
+                idle[j] *= (1.0 - propose) ** count
+                attended += (context + count * (j + 1)) * propose
+                tokens += count * a[j] * chance[j + 1]
+        runs, rows, context = sum(1.0 - x for x in idle), sum(rows), float(sum(lengths))
         _, d_rows, d_seqs, d_context, _ = costs.fit("draft").theta
         _, v_rows, v_seqs, v_context, _ = costs.fit("verify").theta
         seconds = (costs.predict("first_draft", batch, context) + costs.fixed("draft") * runs
@@ -252,7 +256,7 @@ class DraftLengthController:
                    + max(costs.intercept("verify") + v_rows / ROW_SCALE * (batch + rows)
                          + v_seqs / ROW_SCALE * batch + v_context / CONTEXT_SCALE * (context + attended), 1e-7))
         if behind is not None and any(behind):  # the catch-up, spread over the outputs still to come
-            debts = np.asarray(behind, dtype=np.float64)
-            seconds += tokens / float(running.sum()) * costs.predict(
-                "catch_up", float(debts.sum()), float(debts @ (sizes - debts / 2)), float((debts > 0).sum()))
+            debt = float(sum(behind))
+            seconds += tokens / running * costs.predict("catch_up", debt, sum(
+                b * (size - b / 2) for b, size in zip(behind, lengths)), float(sum(map(bool, behind))))
         return self.settings.round_margin * seconds / tokens <= costs.predict("plain", batch, context) / batch

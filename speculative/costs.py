@@ -25,8 +25,6 @@ import math
 from dataclasses import dataclass, field
 from operator import mul
 
-import numpy as np
-
 KINDS = ("plain", "verify", "first_draft", "draft", "catch_up")
 FIT_OF = {"plain": "target", "verify": "target", "first_draft": "draft", "draft": "draft",
           "catch_up": "catch_up"}
@@ -59,8 +57,8 @@ class LinearFit:
 
     decay: float = 0.97
     ridge: float = 1e-3
-    _gram: np.ndarray = field(default_factory=lambda: np.zeros((NUM_FEATURES, NUM_FEATURES)))
-    _moment: np.ndarray = field(default_factory=lambda: np.zeros(NUM_FEATURES))
+    _gram: list[list[float]] = field(default_factory=lambda: [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)])
+    _moment: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
     _pending: list[tuple[tuple[float, ...], float]] = field(default_factory=list)  # not folded yet
     _theta: tuple[float, ...] | None = None  # None: observed since last solved
     _solved: tuple[float, ...] | None = None  # the last fit solved from passes
@@ -80,33 +78,26 @@ class LinearFit:
     def _fold(self) -> None:
         """Fold the kept observations in: each decays the past by ``decay``; one slower than the
         last solved fit predicts weighs ``SLOW_WEIGHT`` and counts as at most ``SPIKE`` times
-        the prediction. All kept observations fold in one numpy step, whatever their number."""
-        pending, self._pending = self._pending, []
-        x = np.array([features for features, _ in pending])
-        seconds = np.array([s for _, s in pending])
-        weight = self.decay ** np.arange(len(pending) - 1, -1, -1.0)  # decayed by those after it
-        if self._solved is not None:
-            expected = np.maximum(x @ np.array(self._solved), 1e-7)
-            slow = seconds > expected
-            seconds = np.where(slow, np.minimum(seconds, SPIKE * expected), seconds)
-            weight[slow] *= SLOW_WEIGHT
+        the prediction. Scalar loops: a fold meets the few passes since the fit was last read."""
+        pending, self._pending, solved = self._pending, [], self._solved
         past = self.decay ** len(pending)
-        self._gram = past * self._gram + (x * weight[:, None]).T @ x
-        self._moment = past * self._moment + x.T @ (weight * seconds)
+        gram, moment = [[g * past for g in row] for row in self._gram], [m * past for m in self._moment]
+        for age, (x, seconds) in enumerate(reversed(pending)):
+            weight = self.decay ** age  # decayed by those after it
+            if solved is not None and seconds > (expected := max(sum(map(mul, x, solved)), 1e-7)):
+                seconds, weight = min(seconds, SPIKE * expected), weight * SLOW_WEIGHT
+            for i, (xi, row) in enumerate(zip(x, gram)):
+                moment[i] += weight * xi * seconds
+                for j, xj in enumerate(x):
+                    row[j] += weight * xi * xj
+        self._gram, self._moment = gram, moment
 
-    @property
-    def gram(self) -> np.ndarray:
-        """The weighted Gram matrix of the features of every pass observed."""
+    def folded(self) -> tuple[list[list[float]], list[float]]:
+        """The weighted Gram matrix of the features of every pass observed, and the weighted
+        features times seconds summed over them."""
         if self._pending:
             self._fold()
-        return self._gram
-
-    @property
-    def moment(self) -> np.ndarray:
-        """The weighted features times seconds, summed over every pass observed."""
-        if self._pending:
-            self._fold()
-        return self._moment
+        return self._gram, self._moment
 
     @property
     def theta(self) -> tuple[float, ...]:
@@ -116,7 +107,7 @@ class LinearFit:
         applies the optimality conditions of this convex problem hold. Each solve starts from the
         last one's set; should the sets cycle, every set is tried."""
         if self._theta is None:
-            gram, moment = self.gram.tolist(), self.moment.tolist()
+            gram, moment = self.folded()
             free = list(self._free)
             for _ in range(ACTIVE_SET_STEPS):
                 theta = _ridge_solve(gram, moment, self.ridge, tuple(free))
@@ -141,8 +132,8 @@ class LinearFit:
     def objective(self, theta: tuple[float, ...]) -> float:
         """The ridge-weighted squared error of ``theta`` less its constant part:
         ``theta' (G + ridge) theta - 2 theta' m``."""
-        moment = self.moment.tolist()
-        gradient = _gradient(self.gram.tolist(), moment, self.ridge, theta)
+        gram, moment = self.folded()
+        gradient = _gradient(gram, moment, self.ridge, theta)
         return sum(t * (g - m) for t, g, m in zip(theta, gradient, moment))
 
     def predict(self, rows: float, context: float, sequences: float | None = None,

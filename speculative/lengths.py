@@ -23,9 +23,8 @@ rebuilt after a record, on the next estimate.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import deque
-
-import numpy as np
 
 KEPT = 256  # recent output lengths the estimate reads
 
@@ -33,28 +32,31 @@ KEPT = 256  # recent output lengths the estimate reads
 class OutputLengths:
     def __init__(self, kept: int = KEPT) -> None:
         self.recent: deque[int] = deque(maxlen=kept)
-        self._sorted: np.ndarray | None = None  # the recent lengths in order (None: stale)
+        self._sorted: list[int] | None = None  # the recent lengths in order (None: stale)
 
     def record(self, generated: int) -> None:
         """A sequence finished after generating ``generated`` tokens."""
         self.recent.append(generated)
         self._sorted = None
 
-    def survival(self, generated: list[int], positions: int) -> np.ndarray:
-        """``[len(generated), positions + 1]``: column ``i`` is the chance that a sequence of a
-        batch whose sequences have generated ``generated`` tokens generates ``i`` more after its
-        next one."""
+    def survival(self, generated: list[int], positions: int) -> dict[int, list[float]]:
+        """For each count in ``generated`` (the tokens each sequence of a batch has generated),
+        ``positions + 1`` chances: the ``i``-th that such a sequence generates ``i`` more after
+        its next one. Scalar loops, once per distinct count: a batch holds few, and at a few dozen
+        lengths numpy's per-call cost outweighs the arithmetic."""
         if not self.recent:
-            return np.ones((len(generated), positions + 1))
+            return {g: [1.0] * (positions + 1) for g in generated}
         if self._sorted is None:
-            self._sorted = np.sort(np.fromiter(self.recent, dtype=np.int64))
-        done, generated = self._sorted, np.asarray(generated, dtype=np.int64)
-        running = np.sort(generated)
-        lengths = generated[:, None] + np.arange(1, max(positions, 1) + 1)
-        at_least = len(done) - np.searchsorted(done, lengths)  # recent outputs at least m long
-        ended = at_least - (len(done) - np.searchsorted(done, lengths + 1))  # ... exactly m long
-        reached = at_least + len(running) - np.searchsorted(running, lengths)  # and running ones
-        hazard = len(done) / max(float(done.sum()), len(done))  # past every output that reached m: their rate
-        past = np.where(reached > 0, 1.0 - ended / np.maximum(reached, 1), 1.0 - hazard)  # going past m
-        return np.concatenate([np.ones((len(lengths), 1)), np.cumprod(past, axis=1)],
-                              axis=1)[:, :positions + 1]
+            self._sorted = sorted(self.recent)
+        done, running, rows = self._sorted, sorted(generated), {}
+        hazard = len(done) / max(sum(done), len(done))  # past every output that reached m: their rate
+        for g in running:
+            if g in rows:
+                continue
+            row, chance = rows.setdefault(g, [1.0]), 1.0
+            for m in range(g + 1, g + positions + 1):
+                first = bisect_left(done, m)  # recent outputs shorter than m
+                reached = len(done) - first + len(running) - bisect_left(running, m)  # and running ones
+                chance *= 1.0 - (bisect_right(done, m, first) - first) / reached if reached else 1.0 - hazard
+                row.append(chance)
+        return rows
