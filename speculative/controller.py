@@ -25,10 +25,10 @@ costs calibrated, only where a round whose every draft is accepted would pay (el
 
 Catch-up: a draft model follows prompts at prefill only after a priced round (``drafting_lately``);
 otherwise a round first fills in what it skipped in one pass. Holding: a priced decision is kept for
-1 step, doubling each time pricing repeats it in the batch's size class (1, 2-3, 4-7, ...) up to
-``HOLD_MAX`` (plain) or ``ROUND_HOLD_MAX`` (rounds). A plain hold ends when a sequence joins or the
-batch shrinks into a smaller class; a round hold when it grows into a larger one. Each constant is a
-default of ``Settings``; why each rule, and what it measured: docs/speculation.md.
+1 step, doubling each time pricing repeats it in the batch's size class (1, 2-3, 4-7, ...; a class
+drained into goes on from the last span) up to ``HOLD_MAX`` (plain) or ``ROUND_HOLD_MAX`` (rounds).
+A plain hold ends when a sequence joins or the batch shrinks into a smaller class; a round hold when
+it grows into a larger one. Each constant is a default of ``Settings``; why: docs/speculation.md.
 
 Invariants: a chosen length is 0 or the limit (exploring: at most ``explore_length``); with
 ``fixed`` it is the limit. Decisions use past rounds only, so verification stays exact.
@@ -96,7 +96,7 @@ class DraftLengthController:
         self.planned = 0  # decisions priced (the rest were held or explored)
         self._script: deque[int] = deque()  # ``follow_script``'s lengths still to draft
         self._hold: tuple[bool, int, int] | None = None  # a round?, size class (0: any), steps left
-        self._spans: dict[tuple[bool, int], int] = {}  # (a round?, size class) -> its last hold's span
+        self._spans: dict = {}  # (a round?, size class), or a round? alone (the last priced) -> a span
 
     def follow_script(self, lengths: Iterable[int]) -> None:
         """Draft ``lengths`` in the next steps, one a step for every sequence (0: a plain step),
@@ -157,14 +157,16 @@ class DraftLengthController:
         return round_
 
     def _hold_after(self, round_: bool, batch: int, far: bool = False) -> None:
-        """Hold a priced decision (a round, or plain decoding) for twice the span of the last
-        one of its kind in this size class (``far``: the longest span at once, kept as the batch
-        shrinks); the other kind's span there starts again."""
+        """Hold a priced decision (a round, or plain decoding) for twice the span of the last one of
+        its kind in this size class, or else of the last one priced (a draining batch keeps its span);
+        ``far``: the longest span at once, kept as the batch shrinks. The other kind's spans start again."""
         size_class, self.rounds_priced = batch.bit_length(), round_
         longest = self.settings.round_hold_max if round_ else self.settings.hold_max
-        span = longest if far else min(longest, 2 * self._spans.get((round_, size_class), 0)) or 1
-        self._spans[(round_, size_class)] = span
+        key = (round_, size_class)
+        span = longest if far else min(longest, 2 * self._spans.get(key, self._spans.get(round_, 0))) or 1
+        self._spans.update({key: span, round_: span})
         self._spans.pop((not round_, size_class), None)
+        self._spans.pop(not round_, None)
         self._hold = (round_, 0 if far else size_class, span)
 
     def drafting_lately(self) -> bool:

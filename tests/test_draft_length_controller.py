@@ -251,8 +251,9 @@ def test_a_batch_is_priced_on_its_own_rounds_not_on_the_engines():
 def test_plain_decisions_are_held_for_doubling_spans_per_batch_size_class():
     """After a priced plain decision the next steps in that batch size class (1, 2-3, 4-7, ...)
     or a larger one decode plainly without planning: 1 step, then 2, 4, 8 (so 3 of the first 8
-    steps are priced). Each class keeps its own span; a batch in a smaller class is priced at once;
-    a round starts its class's plain span again at 1."""
+    steps are priced). A batch in a smaller class is priced at once; a class without a span of its
+    own (a batch drained into it) goes on from the last span priced, a class with one from its
+    own; a round starts the plain spans again at 1."""
     controller = priced(0.0024)
     h = controller.history
     for _ in range(8):
@@ -262,25 +263,29 @@ def test_plain_decisions_are_held_for_doubling_spans_per_batch_size_class():
     controller.choose([h] * 5, [1] * 5, [10] * 5)  # a larger class
     assert controller.planned == 3
     controller.choose([h], [1], [10])
-    assert controller.planned == 4  # a smaller class: priced, its first span 1 step
-    controller.choose([h] * 2, [1] * 2, [10] * 2)  # held: a larger class
-    controller.choose([h] * 2, [1] * 2, [10] * 2)
-    assert controller.planned == 5  # the class of 2 goes on from its span of 4: held 8 steps
+    assert controller.planned == 4  # a smaller class, none of its own: on from the last span, 8 steps
     for _ in range(8):
-        controller.choose([h] * 2, [1] * 2, [10] * 2)
-    assert controller.planned == 5
+        controller.choose([h], [1], [10])
+    assert controller.planned == 4
     controller.choose([h], [1], [10])
-    assert controller.planned == 6  # the class of 1 goes on from its span of 1: held 2 steps
-    for _ in range(EXPLORE + 4):  # drafting becomes cheap: the held steps decode plainly, the
-        controller.observe_pass("draft", 1, 10, 0.001)  # next one is priced and drafts
-    assert [controller.choose([h], [1], [10]) for _ in range(3)] == [[0], [0], [1]]
+    assert controller.planned == 5  # then 16 steps
+    joined = controller.new_history()
+    controller.choose([h, joined], [1, 1], [10, 10])  # a join ends the hold: priced
+    assert controller.planned == 6  # the class of 2 goes on from its own span of 4: held 8 steps
+    for _ in range(8):
+        controller.choose([h, joined], [1, 1], [10, 10])
+    assert controller.planned == 6
+    controller.choose([h, joined], [1, 1], [10, 10])
     assert controller.planned == 7
-    assert controller.choose([h], [1], [10]) == [1] and controller.planned == 7  # the round, held
+    for _ in range(EXPLORE + 4):  # drafting becomes cheap: the smaller class is priced and drafts
+        controller.observe_pass("draft", 1, 10, 0.001)
+    assert controller.choose([h], [1], [10]) == [1] and controller.planned == 8
+    assert controller.choose([h], [1], [10]) == [1] and controller.planned == 8  # the round, held
     for _ in range(60):  # drafting costs more: plain decoding again, held 1 step
         controller.observe_pass("draft", 1, 10, 0.003)
         controller.costs.fit("draft").theta  # read: each pass is weighed against the last fit
     assert [controller.choose([h], [1], [10]) for _ in range(3)] == [[0]] * 3
-    assert controller.planned == 9
+    assert controller.planned == 10
 
 
 def test_a_plain_decision_where_not_even_a_sure_draft_pays_is_held_as_long_as_any():
