@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from itertools import accumulate
 from operator import mul
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from speculative.acceptance import AcceptanceModel, DraftHistory

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mmkv import SamplingParams
@@ -652,22 +652,22 @@ def test_a_fit_read_before_any_pass_does_not_clip_the_passes_that_follow():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.none() | st.tuples(st.integers(1, 800), st.integers(1, 64), st.integers(0, 40_000),
-                                      st.booleans(), st.floats(1e-4, 5e-2)), min_size=1, max_size=60))
+@given(st.lists(st.tuples(st.integers(1, 800), st.integers(1, 64), st.integers(0, 40_000), st.booleans(),
+                          st.floats(1e-4, 5e-2), st.integers(0, 40)), min_size=1, max_size=300))
+@example([(r, 1 + r % 3, 100 * r, r % 2 == 0, 0.001 * (1 + r % 5), int(r != 30)) for r in range(1, 200)])
 def test_observations_folded_together_equal_one_at_a_time(steps):
-    """The fit keeps its observations and folds them in when it is read (``None``: a read, which
-    solves the fit). Against folding each as it comes, weighed against the fit solved at the last
-    read (slower than its prediction: ``SLOW_WEIGHT``, at most ``SPIKE`` times it)."""
+    """The fit keeps its observations and folds them in when it is read (a step whose last field
+    is 0 reads it first, which solves the fit) or when ``FOLD_EVERY`` are kept. Against folding
+    each as it comes, weighed against the fit solved at the last read (slower than its prediction:
+    ``SLOW_WEIGHT``, at most ``SPIKE`` times it)."""
     fit = LinearFit()
     gram = [[0.0] * cost_model.NUM_FEATURES for _ in range(cost_model.NUM_FEATURES)]
     moment = [0.0] * cost_model.NUM_FEATURES
     solved = None
-    for step in steps:
-        if step is None:
+    for rows, sequences, context, extra, seconds, read in steps:
+        if read == 0:
             theta = fit.theta
             solved = theta if gram[0][0] > 0.0 else solved
-            continue
-        rows, sequences, context, extra, seconds = step
         fit.observe(rows, context, seconds, sequences, extra)
         x = cost_model._features(rows, context, sequences, extra)
         w = 1.0
