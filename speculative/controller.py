@@ -96,7 +96,8 @@ class DraftLengthController:
         self.planned = 0  # decisions priced (the rest were held or explored)
         self._script: deque[int] = deque()  # ``follow_script``'s lengths still to draft
         self._hold: tuple[bool, int, int] | None = None  # a round?, size class (0: any), steps left
-        self._spans: dict = {}  # (a round?, size class), or a round? alone (the last priced) -> a span
+        self._spans: dict[tuple[bool, int], int] = {}  # (a round?, size class) -> its last hold's span
+        self._last: tuple[bool, int] = (False, 0)  # the last priced decision: a round?, its span
 
     def follow_script(self, lengths: Iterable[int]) -> None:
         """Draft ``lengths`` in the next steps, one a step for every sequence (0: a plain step),
@@ -162,11 +163,10 @@ class DraftLengthController:
         ``far``: the longest span at once, kept as the batch shrinks. The other kind's spans start again."""
         size_class, self.rounds_priced = batch.bit_length(), round_
         longest = self.settings.round_hold_max if round_ else self.settings.hold_max
-        key = (round_, size_class)
-        span = longest if far else min(longest, 2 * self._spans.get(key, self._spans.get(round_, 0))) or 1
-        self._spans.update({key: span, round_: span})
+        last = self._last[1] if self._last[0] == round_ else 0
+        span = longest if far else min(longest, 2 * self._spans.get((round_, size_class), last)) or 1
+        self._spans[(round_, size_class)], self._last = span, (round_, span)
         self._spans.pop((not round_, size_class), None)
-        self._spans.pop(not round_, None)
         self._hold = (round_, 0 if far else size_class, span)
 
     def drafting_lately(self) -> bool:
@@ -241,14 +241,14 @@ class DraftLengthController:
             group[0], group[1] = group[0] + 1, group[1] + size
         rows, idle = [0.0] * depth, [1.0] * depth  # a draft pass's rows; the chance it runs for nobody
         tokens, attended, running = float(batch), 0.0, 0.0
-        for (generated, cap, limit), (count, context) in alike.items():  # no token past the limit:
+        for (generated, cap, limit), (count, sizes) in alike.items():  # no token past the limit:
             chance = survival.get(generated, [1.0] * (horizon + 1))[:cap] + [0.0] * (horizon + 1 - cap)
             running += count * sum(chance)
             for j in range(limit):  # the j+1-th draft: proposed, and the token after it accepted
                 propose = d[j] * chance[j]
                 rows[j] += count * propose
                 idle[j] *= (1.0 - propose) ** count
-                attended += (context + count * (j + 1)) * propose
+                attended += (sizes + count * (j + 1)) * propose
                 tokens += count * a[j] * chance[j + 1]
         runs, rows, context = sum(1.0 - x for x in idle), sum(rows), float(sum(lengths))
         _, d_rows, d_seqs, d_context, _ = costs.fit("draft").theta

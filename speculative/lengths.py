@@ -50,9 +50,7 @@ class OutputLengths:
             self._sorted = sorted(self.recent)
         done, running, rows = self._sorted, sorted(generated), {}
         hazard = len(done) / max(sum(done), len(done))  # past every output that reached m: their rate
-        for g in running:
-            if g in rows:
-                continue
+        for g in set(running):
             row, chance = rows.setdefault(g, [1.0]), 1.0
             for m in range(g + 1, g + positions + 1):
                 first = bisect_left(done, m)  # recent outputs shorter than m
