@@ -18,10 +18,11 @@ each pass priced by ``speculative.costs``. A round is taken when its seconds per
 draft model's catch-up spread over the tokens the batch is expected still to generate (at most
 ``num_tokens`` of each output), are at most ``1 / ROUND_MARGIN`` of plain decoding's.
 
-Exploring: until ``EXPLORE`` verification passes are timed and ``EXPLORE`` sequence-rounds seen, the
-first ``explore_sequences`` sequences (default: all) draft up to ``explore_length``; with the pass
-costs calibrated, only where a round whose every draft is accepted would pay (else plain, held
-``HOLD_MAX`` steps, however the batch shrinks). Nothing is priced before a plain pass is timed.
+Exploring: until ``EXPLORE`` verification passes are timed and ``EXPLORE`` sequence-rounds seen, a
+step is a round as fixed rounds run it (so a fresh engine's first round is the one they run where
+speculation pays); with the pass costs calibrated, only where a round whose every draft is accepted
+would pay (else plain, held ``HOLD_MAX`` steps, however the batch shrinks). Nothing is priced before
+a plain pass is timed.
 
 Catch-up: a draft model follows prompts at prefill only after a priced round (``drafting_lately``);
 otherwise a round first fills in what it skipped in one pass. Holding: a priced decision is kept for
@@ -30,8 +31,7 @@ drained into goes on from the last span) up to ``HOLD_MAX`` (plain) or ``ROUND_H
 A plain hold ends when a sequence joins or the batch shrinks into a smaller class; a round hold when
 it grows into a larger one. Each constant is a default of ``Settings``; why: docs/speculation.md.
 
-Invariants: a chosen length is 0 or the limit (exploring: at most ``explore_length``); with
-``fixed`` it is the limit. Decisions use past rounds only, so verification stays exact.
+Invariants: a chosen length is 0 or the limit; with ``fixed`` it is the limit. Decisions use past rounds only, so verification stays exact.
 """
 
 from __future__ import annotations
@@ -48,8 +48,6 @@ from speculative.costs import CONTEXT_SCALE, ROW_SCALE, PassCosts
 from speculative.lengths import OutputLengths
 
 EXPLORE = 2  # verification passes timed and sequence-rounds observed before pricing
-EXPLORE_LENGTH = 2  # the most an exploring round drafts, unless the speculator asks for more
-EARLY_EXIT_EXPLORE_LENGTH = 4  # ... for early exit
 ROUND_MARGIN = 1.05  # a round must promise this x plain decoding's goodput
 HOLD_MAX = 64  # the most steps a priced plain decision is held
 ROUND_HOLD_MAX = 16  # the most steps a priced round is held
@@ -73,18 +71,14 @@ class Settings:
 class DraftLengthController:
     """Chooses draft lengths and learns from every pass it is told about.
 
-    Guarantees: ``choose`` (and ``decide``) returns one length per sequence, 0 or its limit
-    (exploring: at most ``explore_length``); with ``fixed=True`` every sequence drafts its limit
-    (the costs and rates are still learned)."""
+    Guarantees: ``choose`` (and ``decide``) returns one length per sequence, 0 or its limit;
+    with ``fixed=True`` every sequence drafts its limit (the costs and rates are still learned)."""
 
     def __init__(self, positions: int, fixed: bool = False,
                  clock: Callable[[], float] = time.perf_counter,
-                 explore_sequences: int | None = None, explore_length: int = EXPLORE_LENGTH,
                  settings: Settings | None = None, costs: PassCosts | None = None) -> None:
         self.positions, self.fixed, self.clock = positions, fixed, clock
         self.settings = settings or Settings()
-        self.explore_sequences = explore_sequences  # None: every sequence explores
-        self.explore_length = explore_length
         self.costs = costs or PassCosts()  # the pass costs, learned here or kept from a calibration
         self.acceptance = AcceptanceModel(positions)
         self.lengths = OutputLengths()  # how long recent outputs ran (the engine records them)
@@ -212,11 +206,7 @@ class DraftLengthController:
                 self.planned += 1  # not even a draft that is always right would pay
                 self._hold_after(False, batch, far=True)
                 return [0] * batch
-            caps, room = [], self.explore_sequences or batch
-            for limit in limits:
-                caps.append(min(limit, self.explore_length) if room else 0)
-                room -= caps[-1] > 0
-            return caps
+            return list(limits)
         if not costs.count("plain"):
             self._hold = None
             return [0] * batch  # no pricing before a plain pass is timed

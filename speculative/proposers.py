@@ -55,7 +55,7 @@ from mmkv.structured import apply_draft_masks
 from mmkv.step_context import StepContext
 from speculative.acceptance import DraftHistory
 from speculative.config import SpeculativeConfig
-from speculative.controller import EARLY_EXIT_EXPLORE_LENGTH, EXPLORE, EXPLORE_LENGTH, DraftLengthController
+from speculative.controller import DraftLengthController
 from speculative.verification import Verdict, greedy_verdict, verify_sampling
 
 if TYPE_CHECKING:
@@ -89,16 +89,13 @@ class Speculator(ABC):
     tokens; sampling: the same distribution)."""
 
     every_sequence_drafts = True  # a round's sequences that draft 0 still run draft pass 0
-    explore_sequences: int | None = None  # how many sequences the controller explores with (all)
-    explore_length = EXPLORE_LENGTH  # how deep they draft while it explores
 
     def __init__(self, model: ModelAdapter, config: SpeculativeConfig, context: ContextFn,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.model, self.config, self.context = model, config, context
         self.stats = SpeculationStats()
         self.controller = DraftLengthController(config.num_tokens, config.draft_length == "fixed", clock,
-                                                self.explore_sequences, self.explore_length,
-                                                config.settings)
+                                                settings=config.settings)
         self._previous: tuple[tuple[int, ...], StepContext] | None = None  # the last draft pass
         self._proposal: Proposal | None = None  # ``propose_with``'s stand-in for the draft's tokens
         self._verification: tuple[int, int, tuple[float, int], int] | None = None  # to time
@@ -107,8 +104,7 @@ class Speculator(ABC):
         """Forget everything learned and counted but the pass costs (after the engine's
         calibration): a fresh controller on the same settings with the old one's cost fits."""
         old = self.controller
-        self.controller = DraftLengthController(old.positions, old.fixed, old.clock, old.explore_sequences,
-                                                old.explore_length, old.settings, old.costs)
+        self.controller = DraftLengthController(old.positions, old.fixed, old.clock, old.settings, old.costs)
         self.stats, self._proposal, self._previous = SpeculationStats(), None, None
 
     def propose_with(self, proposal: Proposal | None) -> None:
@@ -302,8 +298,6 @@ class Speculator(ABC):
 class EarlyExitSpeculator(Speculator):
     """The target's first ``k`` layers draft; verification runs layers ``[k, L)`` only."""
 
-    explore_length = EARLY_EXIT_EXPLORE_LENGTH
-
     def __init__(self, model: ModelAdapter, config: SpeculativeConfig, context: ContextFn) -> None:
         super().__init__(model, config, context)
         k = config.early_exit_layer if config.early_exit_layer is not None else model.early_exit_layer
@@ -339,7 +333,6 @@ class DraftModelSpeculator(Speculator):
     their pending token (it falls behind, as on a plain step)."""
 
     every_sequence_drafts = False
-    explore_sequences = EXPLORE  # each is caught up first; this many explore in one step
 
     def __init__(self, model: ModelAdapter, draft: ModelAdapter, kv: KVCache,
                  config: SpeculativeConfig, context: ContextFn) -> None:

@@ -15,10 +15,10 @@ from mmkv.models import packed_linear
 from mmkv.sequence import Sequence
 from speculative import DraftLengthController, SpeculativeConfig
 from speculative import costs as cost_model
-from speculative.controller import EARLY_EXIT_EXPLORE_LENGTH, EXPLORE, EXPLORE_LENGTH, HOLD_MAX, Settings
+from speculative.controller import EXPLORE, HOLD_MAX, Settings
 from speculative.costs import LinearFit, PassCosts
 from speculative.lengths import OutputLengths
-from speculative.proposers import DraftModelSpeculator, EarlyExitSpeculator, Speculator
+from speculative.proposers import Speculator
 
 VOCAB = 16
 LIMIT = 8
@@ -124,7 +124,7 @@ def test_a_plain_pass_is_timed_before_the_first_priced_step():
     with plain decoding: after exploring, the controller decodes one step plainly, then prices."""
     spec = ScriptedPair(lambda seq, pos: True, draft_ms, verify_ms)
     chosen = decode(spec, sequences(1), EXPLORE + 2, plain_ms)
-    assert chosen == [[EXPLORE_LENGTH]] * EXPLORE + [[0], [LIMIT]], chosen
+    assert chosen == [[LIMIT]] * EXPLORE + [[0], [LIMIT]], chosen
     assert spec.controller.costs.count("plain") == 1 and spec.controller.planned == 1
     theta = spec.controller.costs.fit("plain").theta  # plain at 5.5 ms + 0.05 a row, verify at 5.0
     assert spec.controller.costs.predict("plain", 1, 3) == pytest.approx(plain_ms(1), rel=0.05), theta
@@ -136,7 +136,7 @@ def test_settings_replace_the_controllers_constants():
     spec = ScriptedPair(lambda seq, pos: True, draft_ms, verify_ms)
     spec.controller.settings = Settings(explore=1)
     chosen = decode(spec, sequences(1), 3, plain_ms)
-    assert chosen == [[EXPLORE_LENGTH], [0], [LIMIT]], chosen
+    assert chosen == [[LIMIT], [0], [LIMIT]], chosen
     assert parse_settings(["explore=1", "round_margin=1.25"]) == Settings(explore=1, round_margin=1.25)
     for bad, named in ((["explores=1"], "explores=1"), (["explore=1.5"], "explore takes an integer"),
                        (["round_margin"], "round_margin")):
@@ -186,7 +186,7 @@ def test_with_its_pass_costs_known_it_explores_only_where_a_sure_draft_would_pay
     assert not any(any(g) for g in chosen) and spec.controller.acceptance.version == 0, chosen
     assert spec.controller.planned == 1  # no acceptance changes that: held for HOLD_MAX steps
     spec.controller.settings = Settings(explore=1)  # an exploring round is not held as a priced one
-    assert decode(spec, sequences(1), 2, plain) == [[EXPLORE_LENGTH], [LIMIT]]
+    assert decode(spec, sequences(1), 2, plain) == [[LIMIT], [LIMIT]]
 
 
 def test_rounds_keep_plain_decodings_cost_current():
@@ -196,7 +196,7 @@ def test_rounds_keep_plain_decodings_cost_current():
     its cold timing while rounds ran, and those rounds looked 3.6x faster than plain decoding."""
     controller = DraftLengthController(4)
     history = controller.new_history()
-    assert controller.choose([history], [3], [10]) == [min(3, EXPLORE_LENGTH)]  # nothing timed: try
+    assert controller.choose([history], [3], [10]) == [3]  # nothing timed: try
     controller.observe_pass("plain", 1, 10, 0.020)
     for i in range(30):
         controller.observe_round(history, 1, 1, 1, False)  # one draft a round, always right
@@ -383,61 +383,43 @@ def test_a_step_where_no_sequence_may_draft_starts_no_hold():
     assert controller.choose([h], [1], [10]) == [1] and controller.planned == 1
 
 
-def test_early_exit_explores_deeper_than_a_draft_model():
-    """Early exit's exploring rounds draft ``EARLY_EXIT_EXPLORE_LENGTH`` deep (every sequence runs
-    its first draft pass anyway; two positions said nothing of where drafts stop), a draft
-    model's ``EXPLORE_LENGTH`` (each must first be caught up); a sequence's limit still caps it,
-    and the speculator hands its depth to its controller."""
-    assert EarlyExitSpeculator.explore_length == EARLY_EXIT_EXPLORE_LENGTH > EXPLORE_LENGTH
-    assert DraftModelSpeculator.explore_length == EXPLORE_LENGTH
-    deep = DraftLengthController(8, explore_length=EARLY_EXIT_EXPLORE_LENGTH)
-    histories = [deep.new_history() for _ in range(3)]
-    assert deep.choose(histories, [8, 2, 0], [10] * 3) == [EARLY_EXIT_EXPLORE_LENGTH, 2, 0]
-    speculator = EarlyExitSpeculator.__new__(EarlyExitSpeculator)
-    Speculator.__init__(speculator, None, SpeculativeConfig(num_tokens=8), None)
-    assert speculator.controller.explore_length == EARLY_EXIT_EXPLORE_LENGTH
-
-
-def test_exploring_rounds_draft_for_at_most_explore_sequences_and_only_priced_rounds_draft_prompts():
-    """A draft model explores with a few sequences (each must have its draft K/V filled in first),
-    early exit with every one. ``drafting_lately`` (a draft model follows prompts at prefill) turns
-    on with a priced round, not with exploring ones (a fresh batch of short answers would pay for
-    every prompt's draft), and off with a priced plain decision."""
-    few = DraftLengthController(4, explore_sequences=2)
-    histories = [few.new_history() for _ in range(5)]
-    assert not few.drafting_lately()  # nothing ran yet: the draft waits for a round
-    assert few.choose(histories, [3, 0, 3, 3, 3], [10] * 5) == [EXPLORE_LENGTH, 0, EXPLORE_LENGTH, 0, 0]
-    every = DraftLengthController(4)
-    assert every.choose([every.new_history() for _ in range(3)], [3, 1, 3], [10] * 3) == [EXPLORE_LENGTH, 1, EXPLORE_LENGTH]
+def test_exploring_rounds_are_the_rounds_fixed_rounds_run_and_only_priced_rounds_draft_prompts():
+    """An exploring step is a round as fixed rounds run it: every sequence drafts its limit (a
+    fresh engine's first round is the one fixed rounds run where speculation pays; exploring two
+    sequences two deep cost a draft model's batch of 32 scenes a step of its own, about 2.5 % of the
+    run). ``drafting_lately`` (a draft model follows prompts at prefill) turns on with a priced
+    round, not with exploring ones (a fresh batch of short answers would pay for every prompt's
+    draft), and off with a priced plain decision."""
+    controller, fixed = DraftLengthController(4), DraftLengthController(4, fixed=True)
+    histories = [controller.new_history() for _ in range(5)]
+    assert not controller.drafting_lately()  # nothing ran yet: the draft waits for a round
+    limits = [3, 0, 3, 1, 3]
+    assert controller.choose(histories, limits, [10] * 5) == fixed.choose(histories, limits, [10] * 5) == limits
     for _ in range(EXPLORE):
-        few.choose(histories, [3] * 5, [10] * 5)
-        for h in histories[:2]:
-            few.observe_round(h, EXPLORE_LENGTH, EXPLORE_LENGTH, EXPLORE_LENGTH, False)
-        few.observe_pass("draft", 2, 20, 0.0001)
-        few.observe_pass("verify", 7, 50, 0.001)
-    assert not few.drafting_lately()
-    few.observe_pass("plain", 5, 50, 0.001)
-    assert set(few.choose(histories, [3] * 5, [10] * 5)) == {3} and few.drafting_lately()
+        assert controller.choose(histories, [3] * 5, [10] * 5) == [3] * 5
+        for h in histories:
+            controller.observe_round(h, 3, 3, 3, False)
+        controller.observe_pass("draft", 5, 50, 0.0001)
+        controller.observe_pass("verify", 20, 50, 0.001)
+    assert not controller.drafting_lately() and controller.planned == 0
+    controller.observe_pass("plain", 5, 50, 0.001)
+    assert controller.choose(histories, [3] * 5, [10] * 5) == [3] * 5 and controller.drafting_lately()
     for _ in range(60):
-        few.observe_pass("draft", 1, 10, 100.0)
-        few.costs.fit("draft").theta
-    few._hold = None
-    assert few.choose(histories, [3] * 5, [10] * 5) == [0] * 5 and not few.drafting_lately()
+        controller.observe_pass("draft", 1, 10, 100.0)
+        controller.costs.fit("draft").theta
+    controller._hold = None
+    assert controller.choose(histories, [3] * 5, [10] * 5) == [0] * 5 and not controller.drafting_lately()
 
 
-def test_a_calibrated_draft_model_explores_in_one_step():
-    """A draft model explores with as many sequences as the sequence-rounds exploring waits for
-    (each is caught up on its prompt first), so on an engine whose passes are timed already (its
-    calibration) one exploring step is all and the next is priced: with one sequence exploring, a
-    fresh engine's batch of summaries spent two steps exploring where fixed rounds drafted."""
-    controller = DraftLengthController(4, explore_sequences=DraftModelSpeculator.explore_sequences,
-                                       costs=priced(0.002).costs)
+def test_a_calibrated_controller_explores_in_one_step():
+    """On an engine whose passes are timed already (its calibration), a batch of at least
+    ``EXPLORE`` sequences explores for one step, every sequence at its limit, and the next step is
+    priced."""
+    controller = DraftLengthController(4, costs=priced(0.002).costs)
     histories = [controller.new_history() for _ in range(8)]
-    caps = controller.choose(histories, [3] * 8, [10] * 8)
-    assert sorted(caps) == [0] * (8 - EXPLORE) + [EXPLORE_LENGTH] * EXPLORE
-    for history, cap in zip(histories, caps):
-        if cap:
-            controller.observe_round(history, cap, cap, cap, False)
+    assert controller.choose(histories, [3] * 8, [10] * 8) == [3] * 8 and controller.planned == 0
+    for history in histories:
+        controller.observe_round(history, 3, 3, 3, False)
     assert controller.choose(histories, [3] * 8, [10] * 8) == [3] * 8 and controller.planned == 1
 
 
@@ -450,7 +432,7 @@ def test_a_step_that_carries_prompt_chunks_does_not_explore():
     histories = [controller.new_history() for _ in range(3)]
     limits, state = lambda: [3] * 3, lambda: ([10] * 3, None, None)
     assert controller.decide(histories, limits, state, beside_prompts=True) == [0] * 3
-    assert controller.decide(histories, limits, state) == [EXPLORE_LENGTH] * 3
+    assert controller.decide(histories, limits, state) == [3] * 3
 
 
 def trained_on_catch_ups() -> tuple[DraftLengthController, list]:
