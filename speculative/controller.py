@@ -31,7 +31,8 @@ drained into goes on from the last span) up to ``HOLD_MAX`` (plain) or ``ROUND_H
 A plain hold ends when a sequence joins or the batch shrinks into a smaller class; a round hold when
 it grows into a larger one. Each constant is a default of ``Settings``; why: docs/speculation.md.
 
-Invariants: a chosen length is 0 or the limit; with ``fixed`` it is the limit. Decisions use past rounds only, so verification stays exact.
+Invariants: a chosen length is 0 or the limit; with ``fixed`` it is the limit. Decisions use past
+rounds only, so verification stays exact.
 """
 
 from __future__ import annotations
