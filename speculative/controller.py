@@ -225,7 +225,8 @@ class DraftLengthController:
         proposed, accepted = ([1.0] * depth,) * 2 if sure else self.acceptance.batch_rates(histories, depth)
         d, a = list(accumulate(proposed, mul)), list(accumulate(map(mul, proposed, accepted), mul))
         horizon = max(depth, self.positions)  # a catch-up's spread: num_tokens of each output at most
-        survival = self.lengths.survival([g for g, _ in progress], horizon) if progress is not None else {}
+        survival = (self.lengths.survival([g for g, _ in progress], horizon) if progress is not None
+                    else {None: [1.0] * (horizon + 1)})  # nothing known of where they end: no end
         alike: dict[tuple, list[float]] = {}  # (generated, cap, limit) -> [sequences, their context]
         for (generated, cap), limit, size in zip(progress or [(None, n + 1) for n in limits], limits, lengths):
             group = alike.setdefault((generated, cap, limit), [0, 0.0])
@@ -233,7 +234,7 @@ class DraftLengthController:
         rows, idle = [0.0] * depth, [1.0] * depth  # a draft pass's rows; the chance it runs for nobody
         tokens, attended, running = float(batch), 0.0, 0.0
         for (generated, cap, limit), (count, sizes) in alike.items():  # no token past the limit:
-            chance = survival.get(generated, [1.0] * (horizon + 1))[:cap] + [0.0] * (horizon + 1 - cap)
+            chance = survival[generated][:cap] + [0.0] * (horizon + 1 - cap)
             running += count * sum(chance)
             for j in range(limit):  # the j+1-th draft: proposed, and the token after it accepted
                 propose = d[j] * chance[j]

@@ -51,7 +51,8 @@ class OutputLengths:
         done, running, rows = self._sorted, sorted(generated), {}
         hazard = len(done) / max(sum(done), len(done))  # past every output that reached m: their rate
         for g in set(running):
-            row, chance = rows.setdefault(g, [1.0]), 1.0
+            row = rows[g] = [1.0]
+            chance = 1.0
             for m in range(g + 1, g + positions + 1):
                 first = bisect_left(done, m)  # recent outputs shorter than m
                 reached = len(done) - first + len(running) - bisect_left(running, m)  # and running ones
