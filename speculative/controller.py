@@ -21,8 +21,10 @@ draft model's catch-up spread over the tokens the batch is expected still to gen
 Exploring: until ``EXPLORE`` verification passes are timed and ``EXPLORE`` sequence-rounds seen, a
 step is a round as fixed rounds run it (so a fresh engine's first round is the one they run where
 speculation pays); with the pass costs calibrated, only where a round whose every draft is accepted
-would pay (else plain, held ``HOLD_MAX`` steps, however the batch shrinks). Nothing is priced before
-a plain pass is timed.
+would pay. Else plain, held ``HOLD_MAX`` steps however the batch shrinks and, unless a token limit
+cut the round priced, over sequences joining it in its size class (one that has generated nothing
+prices alike) until an output longer than every one recorded before is recorded (one that has may
+pay). Nothing is priced before a plain pass is timed.
 
 Catch-up: a draft model follows prompts at prefill only after a priced round (``drafting_lately``);
 otherwise a round first fills in what it skipped in one pass. Holding: a priced decision is kept for
@@ -90,7 +92,8 @@ class DraftLengthController:
         self.histories: deque[DraftHistory] = deque(maxlen=HISTORIES_KEPT)
         self.planned = 0  # decisions priced (the rest were held or explored)
         self._script: deque[int] = deque()  # ``follow_script``'s lengths still to draft
-        self._hold: tuple[bool, int, int] | None = None  # a round?, size class (0: any), steps left
+        self._hold: tuple[bool, int, int, bool, int | None] | None = None  # a round?, size class, steps
+        # left, far?, and (None: not) kept over joins while no longer output than this is recorded
         self._spans: dict[tuple[bool, int], int] = {}  # (a round?, size class) -> its last hold's span
         self._last: tuple[bool, int] = (False, 0)  # the last priced decision: a round?, its span
 
@@ -144,25 +147,27 @@ class DraftLengthController:
         """The held decision (a round?) if this step keeps it (and counts it off), else None."""
         if self._hold is None:
             return None
-        round_, size_class, left = self._hold
-        now = len(histories).bit_length()
-        if left == 0 or (now > size_class if round_ else
-                         now < size_class or any(h.decisions == 0 for h in histories)):
-            return None  # a plain hold ends when a sequence joins
-        self._hold = (round_, size_class, left - 1)
+        round_, size_class, left, far, over_joins = self._hold
+        now, joined = len(histories).bit_length(), any(h.decisions == 0 for h in histories)
+        kept = over_joins is not None and now >= size_class and self.lengths.longest() <= over_joins
+        if left == 0 or (now > size_class if round_ else joined and not kept or now < size_class and not far):
+            return None
+        self._hold = (round_, size_class, left - 1, far, over_joins)
         return round_
 
-    def _hold_after(self, round_: bool, batch: int, far: bool = False) -> None:
+    def _hold_after(self, round_: bool, batch: int, far: bool = False, over_joins: int | None = None) -> None:
         """Hold a priced decision (a round, or plain decoding) for twice the span of the last one of
         its kind in this size class, or else of the last one priced (a draining batch keeps its span);
-        ``far``: the longest span at once, kept as the batch shrinks. The other kind's spans start again."""
+        ``far``: the longest span at once, kept as the batch shrinks and, with ``over_joins`` (the
+        longest output recorded), as sequences join it in its size class until a longer output is
+        recorded. The other kind's spans start again."""
         size_class, self.rounds_priced = batch.bit_length(), round_
         longest = self.settings.round_hold_max if round_ else self.settings.hold_max
         last = self._last[1] if self._last[0] == round_ else 0
         span = longest if far else min(longest, 2 * self._spans.get((round_, size_class), last)) or 1
         self._spans[(round_, size_class)], self._last = span, (round_, span)
         self._spans.pop((not round_, size_class), None)
-        self._hold = (round_, 0 if far else size_class, span)
+        self._hold = (round_, size_class, span, far, over_joins)
 
     def drafting_lately(self) -> bool:
         """Whether the last priced decision was a round: while it was not, a draft model's K/V of
@@ -204,8 +209,9 @@ class DraftLengthController:
                 return [0] * batch
             if costs.count("plain") and costs.count("verify") and not self._pays(
                     histories, limits, lengths, progress, behind, sure=True):
-                self.planned += 1  # not even a draft that is always right would pay
-                self._hold_after(False, batch, far=True)
+                self.planned += 1  # not even a draft that is always right would pay; one joining is
+                full = min(limits) == self.positions  # priced alike, unless a token limit cut these
+                self._hold_after(False, batch, far=True, over_joins=self.lengths.longest() if full else None)
                 return [0] * batch
             return list(limits)
         if not costs.count("plain"):

@@ -39,6 +39,10 @@ class OutputLengths:
         self.recent.append(generated)
         self._sorted = None
 
+    def longest(self) -> int:
+        """The longest recent output (0: none recorded)."""
+        return max(self.recent, default=0)
+
     def survival(self, generated: list[int], positions: int) -> dict[int, list[float]]:
         """For each count in ``generated`` (the tokens each sequence of a batch has generated),
         ``positions + 1`` chances: the ``i``-th that such a sequence generates ``i`` more after

@@ -189,6 +189,34 @@ def test_with_its_pass_costs_known_it_explores_only_where_a_sure_draft_would_pay
     assert decode(spec, sequences(1), 2, plain) == [[LIMIT], [LIMIT]]
 
 
+def calibrated(draft_seconds: float) -> DraftLengthController:
+    """A controller that has timed its passes but seen no round: one draft pass takes
+    ``draft_seconds``, a verification of 2 rows and a plain step 5 ms each."""
+    controller = DraftLengthController(4)
+    for _ in range(EXPLORE + 4):
+        controller.observe_pass("draft", 1, 10, draft_seconds)
+        controller.observe_pass("verify", 2, 10, 0.005)
+        controller.observe_pass("plain", 1, 10, 0.005)
+    return controller
+
+
+def test_a_hold_where_no_round_pays_outlives_joins_unless_a_token_limit_or_a_longer_output_ends_it():
+    """Where a round whose every draft is accepted would not pay for a sequence that may draft its
+    whole ``num_tokens``, one that joins, with nothing generated, prices alike: the plain decision
+    is held over it, until an output longer than every one recorded before is recorded (requests
+    that run longer have come). One priced on a sequence near its token limit (the bench's 4-token
+    warm-up request) says nothing of the next: a join ends that hold."""
+    for limit, pricings in ((2, 2), (4, 1)):
+        controller = calibrated(0.004)  # 5 tokens for five 4 ms draft passes and a verification
+        for _ in range(2):
+            controller.lengths.record(3)
+            assert controller.choose([controller.new_history()], [limit], [10]) == [0]
+        assert controller.planned == pricings, limit
+    controller.lengths.record(9)
+    controller.choose([controller.new_history()], [4], [10])
+    assert controller.planned == 2
+
+
 def test_rounds_keep_plain_decodings_cost_current():
     """A plain pass is a verification pass with no drafts, so the two share one cost fit: a cold
     first plain step (20 ms) is corrected by the verification passes rounds time (5 ms), and a
@@ -291,8 +319,11 @@ def test_plain_decisions_are_held_for_doubling_spans_per_batch_size_class():
 def test_a_plain_decision_where_not_even_a_sure_draft_pays_is_held_as_long_as_any():
     """A batch of 32 where not even a draft that is always right would pay (0.5 ms a verification
     row, as much as a plain step's): priced once, held ``HOLD_MAX`` steps, also once the batch has
-    shrunk to 8 (not priced again for each smaller class its sequences end into); a round at 0.9x
-    of plain decoding is held for doubling spans, 1 step, then 2, 4 ..."""
+    shrunk to 8 (not priced again for each smaller class its sequences end into) and over new
+    sequences joining in its class (one that has generated nothing is priced from the same
+    recorded outputs: at batch 1, re-pricing every short answer as it joined cost about 3 % of
+    the decoding steps; a lone sequence joining after it is priced at once, the test above); a round
+    at 0.9x of plain decoding is held for doubling spans, 1 step, then 2, 4 ..."""
     spec = ScriptedPair(lambda seq, pos: True, lambda rows: 0.5 * rows, lambda rows: 5.0 + 0.5 * rows)
     plain = lambda rows: 5.0 + 0.5 * rows  # noqa: E731
     spec.controller.follow_script([0, 1, 0, 3])
@@ -300,8 +331,11 @@ def test_a_plain_decision_where_not_even_a_sure_draft_pays_is_held_as_long_as_an
     spec.keep_costs_only()
     seqs = sequences(32)
     assert not any(map(any, decode(spec, seqs, HOLD_MAX // 2, plain)))
-    assert not any(map(any, decode(spec, seqs[:8], HOLD_MAX // 2, plain)))
+    assert not any(map(any, decode(spec, seqs[:8], HOLD_MAX // 4, plain)))
+    assert not any(map(any, decode(spec, sequences(32), HOLD_MAX // 4, plain)))  # 32 joined
     assert spec.controller.planned == 1
+    decode(spec, sequences(32), 2, plain)  # spent: priced again
+    assert spec.controller.planned == 2
     controller = priced(0.003)
     h = controller.history
     assert all(controller.choose([h], [1], [10]) == [0] for _ in range(HOLD_MAX + 1))
