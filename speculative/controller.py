@@ -149,7 +149,7 @@ class DraftLengthController:
             return None
         round_, size_class, left, far, over_joins = self._hold
         now, joined = len(histories).bit_length(), any(h.decisions == 0 for h in histories)
-        kept = over_joins is not None and now >= size_class and self.lengths.longest() <= over_joins
+        kept = joined and over_joins is not None and now >= size_class and self.lengths.longest() <= over_joins
         if left == 0 or (now > size_class if round_ else joined and not kept or now < size_class and not far):
             return None
         self._hold = (round_, size_class, left - 1, far, over_joins)

@@ -240,13 +240,10 @@ def priced(draft_seconds: float) -> DraftLengthController:
     """A controller whose one-draft rounds are always right: a round yields 2 tokens for two draft
     passes (the second writes the draft's K/V) and a 5 ms verification, plain decoding 1 token for
     5 ms."""
-    controller = DraftLengthController(4)
+    controller = calibrated(draft_seconds)
     history = controller.new_history()
     for _ in range(EXPLORE + 4):
         controller.observe_round(history, 1, 1, 1, False)
-        controller.observe_pass("draft", 1, 10, draft_seconds)
-        controller.observe_pass("verify", 2, 10, 0.005)
-        controller.observe_pass("plain", 1, 10, 0.005)
     controller.history = history
     return controller
 
