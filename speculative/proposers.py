@@ -186,8 +186,11 @@ class Speculator(ABC):
         """Draft up to ``gammas[i]`` tokens for each sequence (0: it joins verification with its
         pending token only) and verify them. Each table must have slots reserved up to
         ``len(token_ids) + gammas[i] - 1``. A sequence drafts nothing after one of its
-        ``stop_tokens`` (it would end there). Every pass is timed for the controller, the
-        verification up to ``round_applied``."""
+        ``stop_tokens`` (it would end there); a greedy one leaves that token out, so it costs no
+        pass and no verified row (the target's own token there ends the sequence or not), while a
+        sampled one's is verified as drawn (left out, the sequence would end less often than the
+        target's chance). Every pass is timed for the controller, the verification up to
+        ``round_applied``."""
         controller, self._verification = self.controller, None
         lens = [len(s.token_ids) for s in seqs]
         chosen, gammas = list(gammas), list(gammas)
@@ -216,10 +219,14 @@ class Speculator(ABC):
                     gammas[b] = i  # not confident: this pass was the last one needed
                     unsure[b] = True
                     continue
+                ends = token in stop_tokens[b]
+                if ends and seqs[b].params.greedy:  # the target's own token here ends it or not
+                    gammas[b] = i
+                    continue
                 drafts[b].append(token)
                 draft_probs[b].append(probs)
                 inputs[b] = token
-                if token in stop_tokens[b]:
+                if ends:
                     gammas[b] = i + 1  # one more pass completes this draft's K/V
             self.observe("draft" if i else "first_draft", len(live), sum(lens[b] + i for b in live),
                          start)

@@ -136,11 +136,36 @@ def test_drafting_stops_at_a_token_that_ends_the_sequence():
     seq = Sequence(seq_id=0, request_id=0, index=0, token_ids=script[:2], prompt_len=2,
                    params=SamplingParams(), arrival=0, namespace=b"", generator=None)
     spec = ScriptedDraft(script)
-    [verdict] = spec.round([seq], [8], [{5}])  # drafts 3, 4, 5; then 5 would end the sequence
-    assert verdict.tokens == [3, 4, 5, 6] and verdict.accepted == 3
-    assert spec.passes == 4  # three drafts and the pass completing the last one's K/V
+    [verdict] = spec.round([seq], [8], [{5}])  # drafts 3, 4; then 5 would end the sequence
+    assert verdict.tokens == [3, 4, 5] and verdict.accepted == 2  # 5 is the target's own token
+    assert spec.passes == 3  # no pass and no verified row for the token that ends it
     [verdict] = spec.round([seq], [8], [set()])
-    assert verdict.accepted == 8 and spec.passes == 4 + 9
+    assert verdict.accepted == 8 and spec.passes == 3 + 9
+
+
+class SameDistribution(Speculator):
+    """A draft and a target whose next token is drawn from ``probs`` at every position."""
+
+    def __init__(self, probs: list[float]) -> None:
+        super().__init__(None, SpeculativeConfig(num_tokens=8), None)
+        self.logits = torch.tensor(probs).log()
+
+    def _draft_pass(self, seqs, tokens, kv_lens, drafting, live):
+        return self.logits.expand(len(drafting), -1) if drafting else None
+
+    def _verify_logits(self, seqs, gammas, drafts, lens):
+        return self.logits.expand(sum(g + 1 for g in gammas), -1)
+
+
+def test_a_sampled_draft_of_a_token_that_ends_the_sequence_is_verified_as_drawn():
+    """Sampled, a drafted end is verified like any draft: dropping it (as greedy rounds may, where
+    the target's own token decides) would end the sequence with half the target's chance here."""
+    generator = torch.Generator().manual_seed(0)
+    seq = Sequence(seq_id=0, request_id=0, index=0, token_ids=[1, 1], prompt_len=2,
+                   params=SamplingParams(temperature=1.0), arrival=0, namespace=b"", generator=generator)
+    spec, trials = SameDistribution([0.5, 0.5]), 2000
+    ended = sum(spec.round([seq], [1], [{0}])[0].tokens[0] == 0 for _ in range(trials))
+    assert abs(ended / trials - 0.5) < 0.05  # the target's chance of ending (0.25 if dropped)
 
 
 @pytest.mark.parametrize("kwargs, message", [
