@@ -11,8 +11,8 @@ the target accepts it) and ``speculative.lengths``' survival ``S_bj`` (sequence 
 tokens past its next one; 0 past its limit ``g_b``), ``D_j = c_1 ... c_j``, ``A_j = a_1 ... a_j``:
 
     tokens              = sum_b (1 + sum_{j <= g_b} D_j A_j S_bj)
-    draft pass j >= 1   rows_j = sum_b D_j S_bj, run with probability 1 - prod_b (1 - D_j S_bj)
-    verification rows   = sum_b (1 + sum_{j <= g_b} D_j S_bj)
+    draft pass j >= 1   rows_j = sum_b D_j S_b(j-1), run with probability 1 - prod_b (1 - D_j S_b(j-1))
+    verification rows   = sum_b (1 + sum_{j <= g_b} D_j S_b(j-1))
 
 each pass priced by ``speculative.costs``. A round is taken when its seconds per token, with a
 draft model's catch-up spread over the tokens the batch is expected still to generate (at most
@@ -243,7 +243,7 @@ class DraftLengthController:
             chance = survival[generated][:cap] + [0.0] * (horizon + 1 - cap)
             running += count * sum(chance)
             for j in range(limit):  # the j+1-th draft: proposed, and the token after it accepted
-                propose = d[j] * chance[j + 1]  # a drafted end needs no pass (``Speculator.round``)
+                propose = d[j] * chance[j]
                 rows[j] += count * propose
                 idle[j] *= (1.0 - propose) ** count
                 attended += (sizes + count * (j + 1)) * propose

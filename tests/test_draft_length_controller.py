@@ -492,8 +492,7 @@ def test_a_round_is_priced_as_the_sum_over_its_sequences(batch, recorded):
     """The price of a round against its definition, sequence by sequence (the controller prices
     alike sequences once): with ``S`` a sequence's survival (0 from its cap on) and ``D``, ``A``
     the batch's rates, it yields ``1 + sum_j D_j A_j S_j`` tokens; draft pass ``j`` has a row for
-    it with chance ``D_j S_j`` (a drafted end is left out: no pass, no row) and runs unless no
-    sequence has one; verification has its rows
+    it with chance ``D_j S_(j-1)`` and runs unless no sequence has one; verification has its rows
     too; a catch-up is spread over the tokens the batch is still expected to generate. A round
     pays exactly when the margin is at most plain decoding's seconds a token over the round's."""
     sequences = [(generated, cap, size, behind, history) for generated, cap, size, behind, history in batch
@@ -521,7 +520,7 @@ def test_a_round_is_priced_as_the_sum_over_its_sequences(batch, recorded):
         tokens += 1.0
         for j in range(1, limit + 1):
             tokens += drafts[j] * accepts[j] * chance[j]
-            row = drafts[j] * chance[j]  # draft pass j writes draft j's K/V unless it ends there
+            row = drafts[j] * chance[j - 1]  # draft pass j computes draft j + 1 after draft j
             rows[j] += row
             idle[j] *= 1.0 - row
             attended += (size + j) * row
