@@ -14,7 +14,8 @@ tokens past its next one; 0 past its limit ``g_b``), ``D_j = c_1 ... c_j``, ``A_
     draft pass j >= 1   rows_j = sum_b D_j S_b(j-1), run with probability 1 - prod_b (1 - D_j S_b(j-1))
     verification rows   = sum_b (1 + sum_{j <= g_b} D_j S_b(j-1))
 
-each pass priced by ``speculative.costs``. A round is taken when its seconds per token, with a
+each pass priced by ``speculative.costs`` (a drafted end keeps its pass and row, which a greedy round
+leaves out: that overestimate measured better). A round is taken when its seconds per token, with a
 draft model's catch-up spread over the tokens the batch is expected still to generate (at most
 ``num_tokens`` of each output), are at most ``1 / ROUND_MARGIN`` of plain decoding's.
 
