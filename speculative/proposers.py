@@ -8,7 +8,8 @@ continues from):
 
 1. ``gamma + 1`` draft passes, one position at a time (the pending token, then each draft), write
    the draft's K/V into the sequence's own blocks and propose the next token; the last pass only
-   completes the last draft's K/V.
+   completes the last draft's K/V. A greedy sequence's draft of a token that would end it is left
+   out and its drafting stops there: the target's own token at that position decides the end.
 2. One target pass over all ``gamma + 1`` positions yields the target's logits for each of them.
 3. ``speculative.verification`` accepts a prefix of the drafts and adds one target token. The
    engine truncates the table to the accepted positions, so rejected K/V is never read and never
