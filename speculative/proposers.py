@@ -26,7 +26,8 @@ Two drafts:
 * **Early exit** (``EarlyExitSpeculator``): the target's first ``k`` layers and its shared final norm
   and LM head. The draft passes *are* the target's lower layers, writing the target's own K/V, and
   verification runs only layers ``[k, L)`` from the saved layer-``k`` hidden states: no position's
-  lower layers are computed twice and the draft needs no K/V of its own (zero extra blocks).
+  lower layers are computed twice and the draft needs no K/V of its own (zero extra blocks). A
+  round in which no sequence kept a draft verifies on pass 0's plan (the same rows and context).
 * **Draft model** (``DraftModelSpeculator``): a separate small model with the same tokenizer whose
   K/V live in a second store of the same blocks (one block table, two physical stores). It runs on
   prompt chunks while the controller has lately been running rounds, and otherwise fills in what
@@ -330,7 +331,10 @@ class EarlyExitSpeculator(Speculator):
         return self.model.logits(h if len(drafting) == len(live) else h[drafting])
 
     def _verify_logits(self, seqs, gammas, drafts, lens):
-        step = self.context(seqs, [g + 1 for g in gammas], [n + g for n, g in zip(lens, gammas)])
+        if any(gammas) or self._previous is None:
+            step = self.context(seqs, [g + 1 for g in gammas], [n + g for n, g in zip(lens, gammas)])
+        else:  # nothing drafted: only pass 0 ran, on the same rows and context, so its plan serves
+            step = self._previous[1]
         h = torch.stack([x for per_seq in self.hidden for x in per_seq])[None]
         return self.model.logits(self.model.run_layers(h, step, self.k)[0])
 

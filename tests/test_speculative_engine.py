@@ -24,12 +24,12 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
 def spec_engine(directory, blocks=1024, k=1, gamma=3, draft_length="auto", settings=LEARNING,
-                **kw) -> Engine:
+                threshold=None, **kw) -> Engine:
     kw.setdefault("debug", True)
     return Engine(directory, kv_cache_memory=blocks * BLOCK_BYTES, host_kv_memory=blocks * BLOCK_BYTES,
                   block_size=4, device="cpu",
-                  speculative=SpeculativeConfig(num_tokens=gamma, early_exit_layer=k,
-                                                draft_length=draft_length, settings=settings), **kw)
+                  speculative=SpeculativeConfig(num_tokens=gamma, early_exit_layer=k, draft_length=draft_length,
+                                                settings=settings, adaptive_threshold=threshold), **kw)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -177,15 +177,21 @@ def test_bad_speculative_settings_are_refused_by_name(kwargs, message):
         SpeculativeConfig(**kwargs)
 
 
-def test_early_exit_on_a_cross_attention_vlm_uses_the_shared_image_kv(vlm_dirs):
+@pytest.mark.parametrize("threshold", [None, 0.999])
+def test_early_exit_on_a_cross_attention_vlm_uses_the_shared_image_kv(vlm_dirs, threshold):
+    """With a confidence threshold of 0.999 most rounds draft nothing, and their verification
+    runs on draft pass 0's plan, cross-attention included."""
     requests = [{"prompt": [IMAGE_TOKEN] + list(b"question %d?" % i), "images": [picture(i % 2)]}
                 for i in range(6)] + [list(b"text only")]
     plain = Engine(vlm_dirs["mmkv_vlm"], kv_cache_memory=2048 * BLOCK_BYTES,
                    host_kv_memory=1 << 20, block_size=4, device="cpu")
     want = [o.token_ids for o in plain.generate(requests, GREEDY)]
-    eng = spec_engine(vlm_dirs["mmkv_vlm"], blocks=2048, k=3, gamma=4)  # cross layer 1 drafts too
+    eng = spec_engine(vlm_dirs["mmkv_vlm"], blocks=2048, k=3, gamma=4,  # cross layer 1 drafts too
+                      draft_length="fixed" if threshold else "auto", threshold=threshold)
     assert [o.token_ids for o in eng.generate(requests, GREEDY)] == want
     stats = eng.stats()
+    if threshold:
+        assert stats["spec_drafted_tokens"] < stats["spec_rounds"] / 2
     assert stats["encoder_calls"] == 2 and stats["xattn_blocks_computed"] == plain.stats()["xattn_blocks_computed"]
     assert eng.kv.layout == plain.kv.layout  # the draft keeps no K/V of its own
 
