@@ -129,7 +129,8 @@ def test_spec_bench_speculates_on_the_bundled_pair(tmp_path):
     assert all(result[f"controller_vs_best_fixed_{cell}"] == v for cell, v in versus.items())
     assert all(result[f"fixed_{cell}"] > 0 for cell in cells)
     assert result["controller_vs_best_fixed_min"] == min(versus.values())
-    assert result["rounds_b1"] == result["rounds_b2"] == 2  # a pair: each engine leads one
+    # a pair of rounds per workload: each engine leads one
+    assert result["rounds_b1"] == result["rounds_b2"] == {"summaries": 2, "mixed": 2}
     for name in ("early_exit", "draft"):  # calibrated at construction: a short job pays for it
         assert result[f"calibration_seconds_{name}_b1"] > 0
         assert 0 < result[f"speedup_{name}_b1_with_calibration"] < result[f"speedup_{name}_b1"]
@@ -286,6 +287,22 @@ def test_short_runs_get_more_rounds_up_to_a_cap(monkeypatch, seconds, rounds):
     assert len(calls) == 2 * (rounds + 1) and all(list(c) == ["plain", n] for c, n in
                                                   zip(calls, ["plain_again", "other"] * (rounds + 1)))
     assert seeds == [r for r in range(rounds + 1) for _ in range(2)]  # each round its own step order
+
+
+def test_each_workload_gets_rounds_while_its_own_runs_are_short(monkeypatch):
+    """A quick workload gets more rounds than a slow one beside it (its own counted seconds, not
+    theirs together), each in pairs of rounds, one led by each engine; the first round of both is
+    not counted."""
+    seeds: dict[str, list[int]] = {"quick": [], "slow": []}
+    run_seconds = {"quick": 0.1, "slow": 4.0}
+    monkeypatch.setattr(spec_bench, "fresh_engine", lambda *args: None)
+    monkeypatch.setattr(spec_bench, "in_turns", lambda engines, prompts, *args, seed: seeds[prompts[0]].append(seed)
+                        or {name: ([], run_seconds[prompts[0]], {}) for name in engines})
+    pairs = spec_bench.interleaved(Path("model"), {"quick": ["quick"], "slow": ["slow"]},
+                                   {"quick": ["w"], "slow": ["w"]}, 1, {"other": None}, repeats=3, seconds=10)
+    assert len(pairs["other", "slow"]) == 4  # 3 rounds took 24 s; a fourth completes the pair
+    assert len(pairs["other", "quick"]) == 3 * spec_bench.MAX_ROUNDS  # 0.2 s a round: the cap
+    assert seeds == {"quick": list(range(3 * spec_bench.MAX_ROUNDS + 1)), "slow": list(range(5))}
 
 
 def test_fixed_rounds_take_turns_with_their_controller(monkeypatch):

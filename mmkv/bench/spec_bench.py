@@ -21,7 +21,8 @@ would carry both rounds' noise. Batch 1 serves the first
 transformers runs the batch-1 summaries (its Mllama text model takes no image without the
 cross-attention plumbing), the only batch size its assisted generation supports. Every greedy
 variant must give the same outputs. mmkv runs every variant ``--repeats`` times or more (rounds
-are added while a batch size's runs took under ``--seconds``: ``rounds_b<batch>``), each on a
+are added while a workload's runs at a batch size took under ``--seconds``: ``rounds_b<batch>``,
+by workload), each on a
 fresh engine (so the controller learns afresh) taking turns step by step with a fresh plain
 engine (``in_turns``: the machine's drift meets both alike; the two lead alternate rounds); a
 speedup is the median over pairs of rounds of the pair's geometric mean ratio of the plain
@@ -74,7 +75,7 @@ from speculative.proposers import SpeculationStats
 PARAMS = SamplingParams(max_tokens=48)
 LOADS = ("scenes", "summaries", "short", "mixed")  # the workloads (``workloads``)
 METHODS = ("early_exit", "draft")  # the speculative configs (plain_again: plain beside plain)
-MAX_ROUNDS = 4  # a batch size's counted rounds are at most this x --repeats
+MAX_ROUNDS = 4  # a workload's counted rounds at a batch size are at most this x --repeats
 ALL_ACCEPTED = "_all_accepted"  # a method's config with the target's own tokens as its drafts
 FIXED = "_fixed"  # a method's config drafting its most tokens every round (no controller)
 PLAIN = "plain"  # the plain engine every config runs beside
@@ -100,9 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chart", type=Path, default=Path("spec_speedup.png"))
     p.add_argument("--repeats", type=int, default=5,
                    help="rounds of runs of every variant (speedups: the median round's ratio)")
-    p.add_argument("--seconds", type=float, default=30.0,
-                   help=f"more rounds (up to {MAX_ROUNDS}x --repeats) while a batch size's counted "
-                        "runs took under this many seconds in all")
+    p.add_argument("--seconds", type=float, default=15.0,
+                   help=f"more rounds (up to {MAX_ROUNDS}x --repeats) while a workload's counted runs "
+                        "at a batch size took under this many seconds in all")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--all-accepted", action="store_true",
                    help="also run each method with the target's own tokens as its drafts (every "
@@ -230,10 +231,11 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
     tokens). The partner is plain decoding, but a config named ``<method>_fixed`` meets
     ``<method>`` (``partner``). For each (config, workload), the pairs of runs (the config's, its
     partner's) in round order, an even number of them (the two engines lead alternate rounds). More
-    rounds, up to ``MAX_ROUNDS`` x ``repeats``, while the counted runs took under ``seconds`` in
-    all (so the faster batch sizes get more rounds). A first round is
-    run and not counted: a process's first runs of a batch size are slower than its later ones
-    (its allocator and caches settle).
+    rounds, up to ``MAX_ROUNDS`` x ``repeats``, while a workload's counted runs took under
+    ``seconds`` in all: each workload its own, so the quick ones (short answers, the larger
+    batches) get more, where one prompt step is much of a run and a round's ratio swings most. A
+    first round of every workload is run and not counted: a process's first runs of a batch size
+    are slower than its later ones (its allocator and caches settle).
 
     Two engines at a time, each config with its own plain partner: a plain engine beside one other
     runs as fast as alone, while among many engines taking turns plain decoding slows more than
@@ -241,9 +243,17 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
     pairs: dict = {key: [] for key in ((name, load) for name in configs for load in prompts)}
     own = ({load: own_outputs(model, warm[load], subset, batch) for load, subset in prompts.items()}
            if any(name.endswith(ALL_ACCEPTED) for name in configs) else {})
-    round_, spent = 0, 0.0  # counted rounds come in pairs, each engine leading one (``paired``)
-    while round_ <= repeats or round_ % 2 == 0 or (spent < seconds and round_ <= MAX_ROUNDS * repeats):
+    counted, spent = dict.fromkeys(prompts, 0), dict.fromkeys(prompts, 0.0)
+
+    def wanted(load: str) -> bool:  # counted rounds come in pairs, each engine leading one (``paired``)
+        n = counted[load]
+        return n < repeats or n % 2 == 1 or (spent[load] < seconds and n < MAX_ROUNDS * repeats)
+
+    round_ = 0
+    while round_ == 0 or any(map(wanted, prompts)):
         for load, subset in prompts.items():
+            if round_ and not wanted(load):
+                continue
             for name, config in configs.items():
                 other = partner(name, configs)
                 engines = {other: fresh_engine(model, warm[load], batch, configs.get(other)),
@@ -252,7 +262,8 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
                 runs = in_turns(engines, subset, batch, seed=round_)
                 if round_:
                     pairs[name, load].append((runs[name], runs[other]))
-                    spent += runs[name][1] + runs[other][1]
+                    spent[load] += runs[name][1] + runs[other][1]
+            counted[load] += bool(round_)
         round_ += 1
     return pairs
 
@@ -342,7 +353,7 @@ def run(args: argparse.Namespace) -> dict:
         subset = {load: prompts[:args.batch1_requests] if batch == 1 else prompts
                   for load, prompts in loads.items()}
         pairs = interleaved(args.model, subset, warm, batch, configs, args.repeats, args.seconds)
-        result[f"rounds_b{batch}"] = len(next(iter(pairs.values())))
+        result[f"rounds_b{batch}"] = {load: len(pairs[next(iter(configs)), load]) for load in loads}
         runs = {key: [run for run, _ in rs] for key, rs in pairs.items()}
         beside = {key: [other for _, other in rs] for key, rs in pairs.items()}  # each run's partner's
         plain_runs = {load: [r for name in configs if partner(name, configs) == PLAIN
