@@ -232,8 +232,8 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
     ``<method>`` (``partner``). For each (config, workload), the pairs of runs (the config's, its
     partner's) in round order, an even number of them (the two engines lead alternate rounds). More
     rounds, up to ``MAX_ROUNDS`` x ``repeats``, while a workload's counted runs took under
-    ``seconds`` in all: each workload its own, so the quick ones (short answers, the larger
-    batches) get more, where one prompt step is much of a run and a round's ratio swings most. A
+    ``seconds`` in all: each workload its own, so the quick ones (the short answers) get more,
+    where one prompt step is much of a run and a round's ratio swings most. A
     first round of every workload is run and not counted: a process's first runs of a batch size
     are slower than its later ones (its allocator and caches settle).
 
