@@ -177,7 +177,9 @@ def in_turns(engines: dict[str, Engine], prompts: list, batch: int,
     other one, which can favour one of them. Callers pass each round its own ``seed`` (one order
     for every round favoured the same engine in every round) and count rounds in groups in which
     each engine leads once (``paired``): the engine that leads a round ran 3-7 % slower than the
-    other in a prefill-heavy run. A step right after the same engine's own finds its caches warm,
+    other in a prefill-heavy run. With two engines no turn may start with the one that ended the
+    turn before, so whichever leads a batch's first turn leads its every turn while both are live
+    (a later batch's first turn goes to the engine that did not step last). A step right after the same engine's own finds its caches warm,
     hence no engine twice running. What this measured: docs/benchmarks.md (spec)."""
     names = list(engines)
     order = random.Random(seed)
