@@ -331,7 +331,7 @@ class EarlyExitSpeculator(Speculator):
         return self.model.logits(h if len(drafting) == len(live) else h[drafting])
 
     def _verify_logits(self, seqs, gammas, drafts, lens):
-        if any(gammas) or self._previous is None:
+        if any(gammas):
             step = self.context(seqs, [g + 1 for g in gammas], [n + g for n, g in zip(lens, gammas)])
         else:  # nothing drafted: only pass 0 ran, on the same rows and context, so its plan serves
             step = self._previous[1]

@@ -22,12 +22,11 @@ transformers runs the batch-1 summaries (its Mllama text model takes no image wi
 cross-attention plumbing), the only batch size its assisted generation supports. Every greedy
 variant must give the same outputs. mmkv runs every variant ``--repeats`` times or more (rounds
 are added while a workload's runs at a batch size took under ``--seconds``: ``rounds_b<batch>``,
-by workload), each on a
-fresh engine (so the controller learns afresh) taking turns step by step with a fresh plain
-engine (``in_turns``: the machine's drift meets both alike; the two lead alternate rounds); a
-speedup is the median over pairs of rounds of the pair's geometric mean ratio of the plain
-engine's time to the variant's (``paired``), and plain decoding
-beside plain decoding gives the noise floor (``plain_vs_plain_<cell>``). Throughputs (tokens/s)
+by workload), each on a fresh engine (so the controller learns afresh) taking turns step by step
+with a fresh plain engine (``in_turns``: the machine's drift meets both alike; the two lead
+alternate rounds); a speedup is the median over pairs of rounds of the pair's geometric mean ratio
+of the plain engine's time to the variant's (``paired``), and plain decoding beside plain decoding
+gives the noise floor (``plain_vs_plain_<cell>``). Throughputs (tokens/s)
 and transformers' timings are the fastest of the repeats. Every timing is taken with the garbage
 collector paused. The chart is the speedup against the batch size, one line per method and
 workload.
@@ -179,8 +178,9 @@ def in_turns(engines: dict[str, Engine], prompts: list, batch: int,
     each engine leads once (``paired``): the engine that leads a round ran 3-7 % slower than the
     other in a prefill-heavy run. With two engines no turn may start with the one that ended the
     turn before, so whichever leads a batch's first turn leads its every turn while both are live
-    (a later batch's first turn goes to the engine that did not step last). A step right after the same engine's own finds its caches warm,
-    hence no engine twice running. What this measured: docs/benchmarks.md (spec)."""
+    (a later batch's first turn goes to the engine that did not step last). A step right after the
+    same engine's own finds its caches warm, hence no engine twice running. What this measured:
+    docs/benchmarks.md (spec)."""
     names = list(engines)
     order = random.Random(seed)
     last = None  # the engine that stepped last
@@ -235,9 +235,9 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
     partner's) in round order, an even number of them (the two engines lead alternate rounds). More
     rounds, up to ``MAX_ROUNDS`` x ``repeats``, while a workload's counted runs took under
     ``seconds`` in all: each workload its own, so the quick ones (the short answers) get more,
-    where one prompt step is much of a run and a round's ratio swings most. A
-    first round of every workload is run and not counted: a process's first runs of a batch size
-    are slower than its later ones (its allocator and caches settle).
+    where one prompt step is much of a run and a round's ratio swings most. A first round of every
+    workload is run and not counted: a process's first runs of a batch size are slower than its
+    later ones (its allocator and caches settle).
 
     Two engines at a time, each config with its own plain partner: a plain engine beside one other
     runs as fast as alone, while among many engines taking turns plain decoding slows more than
