@@ -18,8 +18,9 @@ taking blocks from the tail of that node's edge so the tree stays prefix-closed.
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     from cache.radix_tree import Node
@@ -72,6 +73,55 @@ class CostPolicy(EvictionPolicy):
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (LRUPolicy, FIFOPolicy, CostPolicy)}
+
+
+class EvictionQueue:
+    """The radix tree's evictable leaves, popped in ``policy`` order.
+
+    Membership is exact (a set); the order is a lazy heap whose entries go stale when a member is
+    touched or leaves the set, and are skipped on ``pop``. The heap is rebuilt from the members
+    when stale entries outnumber them, so it stays within twice the members plus a constant."""
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self._members: set["Node"] = set()
+        self._heap: list[tuple[float, int, "Node"]] = []
+
+    def __contains__(self, node: "Node") -> bool:
+        return node in self._members
+
+    def __iter__(self) -> Iterator["Node"]:
+        return iter(self._members)
+
+    def add(self, node: "Node") -> None:
+        if node not in self._members:
+            self._members.add(node)
+            self._push(node)
+
+    def discard(self, node: "Node") -> None:
+        self._members.discard(node)
+
+    def touched(self, node: "Node") -> None:
+        """``node``'s key may have changed: a member is queued again under its new key."""
+        if node in self._members:
+            self._push(node)
+
+    def pop(self) -> "Node | None":
+        """The member with the smallest key, left in the set (None when there is none); a caller
+        that keeps it evictable after taking some of its blocks calls ``touched``."""
+        key, heap = self.policy.key, self._heap
+        while heap:
+            priority, _, node = heapq.heappop(heap)
+            if node in self._members and priority == key(node):
+                return node
+        return None
+
+    def _push(self, node: "Node") -> None:
+        heap = self._heap
+        if len(heap) > 2 * len(self._members) + 64:
+            heap[:] = [(self.policy.key(n), n.uid, n) for n in self._members if n is not node]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (self.policy.key(node), node.uid, node))
 
 
 def make_policy(name: str) -> EvictionPolicy:

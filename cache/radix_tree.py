@@ -20,7 +20,6 @@ and ``unlock``s them when done. A block with a reference is never evicted.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple
@@ -28,7 +27,7 @@ from typing import Callable, Iterator, NamedTuple
 import numpy as np
 
 from cache.block_pool import BlockPool
-from cache.eviction import EvictionPolicy, make_policy
+from cache.eviction import EvictionPolicy, EvictionQueue, make_policy
 from cache.keys import block_keys, chain_hash, common_rows, namespace_hash
 from cache.metrics import CacheMetrics
 
@@ -106,10 +105,7 @@ class RadixTree:
         self._hash = hash_fn if hash_fn is not None else chain_hash
         self._roots: dict[bytes, Node] = {}
         self._node_of: list[Node | None] = [None] * pool.num_blocks
-        self._evictable: set[Node] = set()
-        # Lazy priority queue over the evictable set: entries go stale when a node is touched or
-        # stops being evictable and are skipped on pop; rebuilt when stale entries dominate.
-        self._heap: list[tuple[float, int, Node]] = []
+        self._evictable = EvictionQueue(self.policy)
         self._clock = 0
         pool.set_listener(self._on_ref_change)
 
@@ -200,12 +196,8 @@ class RadixTree:
 
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` unreferenced blocks in policy order; returns how many."""
-        key, heap = self.policy.key, self._heap
         evicted = 0
-        while evicted < num_blocks and heap:
-            priority, _, node = heapq.heappop(heap)
-            if node not in self._evictable or priority != key(node):
-                continue
+        while evicted < num_blocks and (node := self._evictable.pop()) is not None:
             take = min(len(node.blocks), num_blocks - evicted)
             first_hash = node.hashes[0]
             for _ in range(take):
@@ -217,7 +209,7 @@ class RadixTree:
             evicted += take
             self.policy.evicted(node)
             if node.blocks:
-                self._push(node)
+                self._evictable.touched(node)
             else:
                 self._detach(node, first_hash)
         self.metrics.evictions += evicted
@@ -288,15 +280,7 @@ class RadixTree:
         node.last_access = self._clock
         node.hits += hit
         self.policy.touch(node)
-        if node in self._evictable:
-            self._push(node)
-
-    def _push(self, node: Node) -> None:
-        heap = self._heap
-        if len(heap) > 2 * len(self._evictable) + 64:
-            heap[:] = [(self.policy.key(n), n.uid, n) for n in self._evictable if n is not node]
-            heapq.heapify(heap)
-        heapq.heappush(heap, (self.policy.key(node), node.uid, node))
+        self._evictable.touched(node)
 
     def _split(self, node: Node, j: int) -> Node:
         """Cut ``node``'s edge after ``j`` blocks; the new upper node is returned."""
@@ -350,9 +334,7 @@ class RadixTree:
 
     def _refresh(self, node: Node) -> None:
         if node.parent is not None and node.busy == 0 and node.blocks and not node.children:
-            if node not in self._evictable:
-                self._evictable.add(node)
-                self._push(node)
+            self._evictable.add(node)
         else:
             self._evictable.discard(node)
 
