@@ -4,6 +4,7 @@ bind without a key is warned of; an empty key is refused at start, naming the op
 
 import argparse
 import logging
+import time
 
 import httpx
 import pytest
@@ -47,6 +48,15 @@ def test_a_host_not_addressed_to_the_server_gets_403_on_every_route(keyless, hos
         assert error["code"] == "host_not_allowed" and f"Host {host!r} is not allowed" in error["message"]
         assert "--allowed-hosts" in error["message"]
     assert httpx.get(f"{keyless.url}/health", headers={"Host": host}).status_code == 200
+
+
+def test_a_refused_host_is_in_the_access_log(keyless, caplog):
+    with caplog.at_level(logging.INFO, logger="mmkv.server.access"):
+        assert httpx.get(f"{keyless.url}/v1/models", headers={"Host": "attacker.example"}).status_code == 403
+        deadline = time.monotonic() + 5  # the line is written once the response is sent
+        while not any("GET /v1/models 403" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.02)
 
 
 @pytest.mark.parametrize("host", ["localhost", "localhost:{port}", "LocalHost.", "127.0.0.1:{port}",

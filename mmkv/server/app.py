@@ -15,8 +15,8 @@ blocks are free before the engine's next step, its admission places free at once
 until they answer: the same checks and limits, the same image rules, the same 400s, and the same
 end for a client that leaves (its work cancelled, its place released).
 
-``/health`` needs no API key and no engine work: 200 while the engine is alive and not stalled.
-Every request leaves one access-log line (status, tokens, latency).
+``/health`` needs no API key (nor an allowed ``Host``) and no engine work: 200 while the engine
+is alive and not stalled. Every request leaves one access-log line (status, tokens, latency).
 """
 
 from __future__ import annotations
@@ -104,12 +104,12 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
                     sum(s.get("blocks_in_use", 0) for s in stats.values()))
 
     app = FastAPI(lifespan=lifespan, title="mmkv", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_AccessLog)
     if settings.api_key:
         app.add_middleware(_RequireKey, key=settings.api_key, open_paths={"/health", "/"} if settings.ui
                            else {"/health"})
     else:
         app.add_middleware(RequireHost, allow=HostAllowList.of(settings.host, settings.allowed_hosts))
+    app.add_middleware(_AccessLog)  # the outermost: refusals by key or Host are logged too
     app.add_exception_handler(_ClientGone, _client_gone)
     app.add_exception_handler(ApiError, _error_response)
     app.add_exception_handler(HTTPException, _error_response)
