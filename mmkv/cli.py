@@ -24,7 +24,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument("--port", type=int, default=8000, help="the port to listen on")
     server.add_argument("--api-key",
                         help="require 'Authorization: Bearer KEY' on every route but /health "
-                             "(default: $MMKV_API_KEY, else no key)")
+                             "(default: $MMKV_API_KEY, else no key); an empty key is an error")
+    server.add_argument("--allowed-hosts", type=comma_list, default=[], metavar="NAMES",
+                        help="without a key, requests are answered only when their Host is "
+                             "localhost, a loopback address, --host, or one of these "
+                             "comma-separated names ('*': any); others get 403 (default: none)")
     server.add_argument("--served-model-name",
                         help="the model's name in the API (default: the model directory's name)")
     server.add_argument("--no-ui", action="store_true", help="no web page at GET /")
@@ -63,6 +67,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                        help="route to the shortest queue once the longest exceeds it by this many "
                             "requests ...")
     scale.add_argument("--route-imbalance-ratio", type=float, default=1.5, help="... and by this factor")
+
+
+def comma_list(text: str) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``."""
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 class DefaultsFormatter(argparse.HelpFormatter):

@@ -8,7 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import pytest
 import mmkv
 
 from mmkv import SamplingParams
-from mmkv.server.media import MediaPolicy
+from mmkv.server.media import MediaLoader, MediaPolicy
 from mmkv.server.metrics import ServerMetrics
 from mmkv.synthetic import scene_prompt
 from server_harness import (MODEL_NAME, REPORT_QUESTIONS, SCENE_QUESTIONS, bundled_engine,
@@ -347,6 +349,12 @@ def image_chat(url: str) -> dict:
     (CHAT, image_chat("http://example.com/a.png"), 400, "is not https"),
     (CHAT, image_chat("https://example.com/a.png"), 400, "not allowed; allowed hosts: none"),
     (CHAT, image_chat("ftp://example.com/a.png"), 400, "scheme 'ftp' is not supported"),
+    ("/tokenize", image_chat("https://example.com/a.png"), 400,
+     "image 0: image host 'example.com' is not allowed; allowed hosts: none"),
+    ("/tokenize", image_chat("file:///etc/passwd"), 400, "image 0: file:// image URLs are refused"),
+    ("/tokenize", {"prompt": "word " * 2000}, 400, "max_model_len is 1024"),
+    ("/tokenize", b"x" * (16 * 2**20 + 1), 413, "limit"),
+    ("/detokenize", b"x" * (16 * 2**20 + 1), 413, "limit"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": [1, 99999]}, 400, "token ids must be integers"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": []}, 400, "prompt is empty"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "echo": True}, 400, "echo"),
@@ -443,6 +451,9 @@ def test_api_key_guards_every_route_but_health_and_the_page():
         api = openai.OpenAI(base_url=f"{running.url}/v1", api_key="sesame", max_retries=0)
         assert api.completions.create(model=MODEL_NAME, prompt="report on x.", max_tokens=2).usage.total_tokens > 0
         assert httpx.get(f"{running.url}/metrics", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        # with a key, the key guards: no Host is checked
+        keyed = {"Host": "attacker.example", "Authorization": "Bearer sesame"}
+        assert httpx.get(f"{running.url}/v1/models", headers=keyed).status_code == 200
     finally:
         running.stop()
 
@@ -454,14 +465,47 @@ def test_admission_limit_answers_503_before_fetching_any_image(tmp_path):
     running = start_server(bundled_engine(kv_cache_memory="8MiB", max_num_seqs=1), max_waiting=0)
     try:
         with long_stream(running.url):
-            # this file:// URL would be refused with a 400; the 503 comes first
-            r = post(running, CHAT, image_chat(path.as_uri()))
-            assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
-            assert r.json()["error"]["code"] == "overloaded"
+            # this file:// URL would be refused with a 400; the 503 comes first, for /tokenize too
+            for path_, body in ((CHAT, image_chat(path.as_uri())), ("/tokenize", image_chat(path.as_uri())),
+                                ("/detokenize", {"tokens": [1, 2]})):
+                r = post(running, path_, body)
+                assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+                assert r.json()["error"]["code"] == "overloaded"
         running.wait_idle()
         assert post(running, CHAT, image_chat(path.as_uri())).status_code == 400  # admitted now
+        assert post(running, "/tokenize", image_chat(path.as_uri())).status_code == 400
+        assert post(running, "/detokenize", {"tokens": [1, 2]}).status_code == 200
     finally:
         running.stop()
+
+
+def test_a_client_that_leaves_tokenize_releases_its_admission_place(served, monkeypatch):
+    """``/tokenize`` holds one admission place while its images load; a client that gives up has
+    the loads cancelled and the place released."""
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def hanging(self, urls):
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    monkeypatch.setattr(MediaLoader, "load_all", hanging)
+    admission = served.server.front.admission
+    with ThreadPoolExecutor(1) as pool:
+        leaving = pool.submit(httpx.post, f"{served.url}/tokenize",
+                              json=image_chat("data:image/png;base64,AAAA"), timeout=1.5)
+        assert started.wait(10)
+        assert admission.admitted == 1
+        with pytest.raises(httpx.ReadTimeout):
+            leaving.result()
+    assert cancelled.wait(10)
+    deadline = time.monotonic() + 10
+    while admission.admitted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert admission.admitted == 0
 
 
 def test_local_media_only_under_the_allowed_directory(tmp_path):

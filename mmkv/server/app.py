@@ -1,17 +1,22 @@
 """The OpenAI-compatible HTTP API (FastAPI) over a ``Front``: one ``AsyncEngine``, or engine
 replicas on Ray Serve (``mmkv.distributed``).
 
-A generation request is checked in this order, so refusals cost nothing: API key (401), body size
-(413), JSON and fields (400; parsed on a worker thread, so a large body never holds the event
-loop), model name (404), admission limit (503 with ``Retry-After``, counted in sequences: prompts
-times ``n``; 400 for a request that could never be admitted); only then are its images loaded, all
-at once (400 when refused), and is it prepared off the engine thread and submitted (400 when the
-engine refuses the prompt, or when an explicit ``max_tokens`` cannot follow it within
-``max_model_len``). From then on a client that disconnects, streaming or not, has its requests
-aborted (its image loads cancelled): their blocks are free before the engine's next step.
+A generation request is checked in this order, so refusals cost nothing: API key (401), or
+without a key its ``Host`` (403; ``host_check``), body size (413), JSON and fields (400; parsed on a
+worker thread, so a large body never holds the event loop), model name (404), admission limit
+(503 with ``Retry-After``, counted in sequences: prompts times ``n``; 400 for a request that could
+never be admitted); only then are its images loaded, all at once (400 naming a refused one), and
+is it prepared off the engine thread and submitted (400 when the engine refuses the prompt, or
+when an explicit ``max_tokens`` cannot follow it within ``max_model_len``). From then on a client
+that disconnects, streaming or not, has its requests aborted (its image loads cancelled): their
+blocks are free before the engine's next step, its admission places free at once.
 
-``/health`` needs no API key and no engine work: 200 while the engine is alive and not stalled.
-Every request leaves one access-log line (status, tokens, latency).
+``/tokenize`` and ``/detokenize`` take the same path with one sequence's admission place, held
+until they answer: the same checks and limits, the same image rules, the same 400s, and the same
+end for a client that leaves (its work cancelled, its place released).
+
+``/health`` needs no API key (nor an allowed ``Host``) and no engine work: 200 while the engine
+is alive and not stalled. Every request leaves one access-log line (status, tokens, latency).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import logging
 import time
 from pathlib import Path
 from contextlib import asynccontextmanager, suppress
-from typing import Any, AsyncIterator, Awaitable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,6 +38,7 @@ from starlette.exceptions import HTTPException
 from mmkv import RequestOutput, SamplingParams
 from mmkv.server.async_engine import (Admission, ChatPrompt, EngineOverloaded, EngineStopped,
                                       RequestFailed, Ticket, Tokenized)
+from mmkv.server.host_check import HostAllowList, RequireHost
 from mmkv.server.media import MediaLoader
 from mmkv.server.metrics import ServerMetrics
 from mmkv.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
@@ -98,10 +104,13 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
                     sum(s.get("blocks_in_use", 0) for s in stats.values()))
 
     app = FastAPI(lifespan=lifespan, title="mmkv", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_AccessLog)
     if settings.api_key:
         app.add_middleware(_RequireKey, key=settings.api_key, open_paths={"/health", "/"} if settings.ui
                            else {"/health"})
+    else:
+        app.add_middleware(RequireHost, allow=HostAllowList.of(settings.host, settings.allowed_hosts))
+    app.add_middleware(_AccessLog)  # the outermost: refusals by key or Host are logged too
+    app.add_exception_handler(_ClientGone, _client_gone)
     app.add_exception_handler(ApiError, _error_response)
     app.add_exception_handler(HTTPException, _error_response)
     app.add_exception_handler(Exception, _error_response)
@@ -148,14 +157,7 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
         params = req.sampling_params(explicit or front.max_model_len, req.requested_logprobs())
         messages, urls = _chat_messages(req.messages, settings)
         ticket = _admit(front, params.n, settings)
-        try:
-            images = await _unless_disconnected(request, media.load_all(urls))
-        except _ClientGone:
-            ticket.release()
-            return Response(status_code=499)
-        except ValueError as err:
-            ticket.release()
-            raise ApiError(400, str(err), param="messages") from None
+        images = await _while_held(request, ticket, media.load_all(urls), "messages")
         return await respond(request, ticket, [ChatPrompt(messages, images)], params, req,
                              Header("chat", req.model), strict=explicit is not None)
 
@@ -165,15 +167,14 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
         ``tokens``, ``count``, ``max_model_len``, each image's span, and ``cached_tokens``: how
         many leading tokens the cache would serve a request with this prompt now."""
         req = await _parse(TokenizeRequest, request, settings)
-        if req.messages is not None:
-            messages, urls = _chat_messages(req.messages, settings)
-            prompt: Any = ChatPrompt(messages, await media.load_all(urls))
-        else:
-            prompt = req.prompt
-        try:
-            done = await front.tokenize(prompt, req.cache_salt)
-        except ValueError as err:
-            raise ApiError(400, str(err), param="messages" if req.messages is not None else "prompt") from None
+        chat = req.messages is not None
+        messages, urls = _chat_messages(req.messages, settings) if chat else ([], [])
+
+        async def tokens() -> Tokenized:
+            images = await media.load_all(urls)
+            return await front.tokenize(ChatPrompt(messages, images) if chat else req.prompt, req.cache_salt)
+
+        done = await answer_briefly(request, tokens, "messages" if chat else "prompt")
         return {"tokens": done.token_ids, "count": len(done.token_ids), "max_model_len": front.max_model_len,
                 "images": [{"start": start, "length": length} for start, length in done.images],
                 "cached_tokens": done.cached_tokens}
@@ -181,12 +182,17 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         req = await _parse(DetokenizeRequest, request, settings)
-        vocab = len(front.tokenizer)
-        outside = [t for t in req.tokens if not 0 <= t < vocab]
-        if outside:
-            raise ApiError(400, f"tokens holds {outside[0]}; the vocabulary has tokens 0 to {vocab - 1}",
-                           param="tokens")
-        return {"prompt": token_text.tokenizer.decode(req.tokens)}
+        text = await answer_briefly(
+            request, lambda: asyncio.to_thread(_decode, token_text.tokenizer, req.tokens), "tokens")
+        return {"prompt": text}
+
+    async def answer_briefly(request: Request, work: Callable[[], Awaitable], param: str) -> Any:
+        """``work()``'s result, run under one sequence's admission place, released when it ends."""
+        ticket = _admit(front, 1, settings)
+        try:
+            return await _while_held(request, ticket, work(), param)
+        finally:
+            ticket.release()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -214,9 +220,6 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
                     return JSONResponse(chat_completion(header, finals[0], token_text))
                 return JSONResponse(completion(header, finals, token_text))
             first = await _unless_disconnected(request, anext(outputs))
-        except _ClientGone:
-            ticket.release()
-            return Response(status_code=499)
         except BaseException as err:
             ticket.release()
             await outputs.aclose()
@@ -330,9 +333,35 @@ async def _unless_disconnected(request: Request, awaitable: Awaitable) -> Any:
                 await work
 
 
+async def _while_held(request: Request, ticket: Ticket, work: Awaitable, param: str) -> Any:
+    """``work``'s result, awaited while the client waits. If the client leaves first, the work is
+    cancelled and ``_ClientGone`` raised (a 499); if the work raises, its error is raised as the
+    client sees it (``_api_error``: a ``ValueError``, such as a refused image, is a 400 naming
+    ``param``). Either way ``ticket`` is released; on success the caller still holds it."""
+    try:
+        return await _unless_disconnected(request, work)
+    except BaseException as err:
+        ticket.release()
+        raise _api_error(err, param) from None
+
+
+def _decode(tokenizer: Any, tokens: list[int]) -> str:
+    """``tokens`` as text; ``ValueError`` naming the first id outside the vocabulary."""
+    vocab = len(tokenizer)
+    outside = next((t for t in tokens if not 0 <= t < vocab), None)
+    if outside is not None:
+        raise ValueError(f"tokens holds {outside}; the vocabulary has tokens 0 to {vocab - 1}")
+    return tokenizer.decode(tokens)
+
+
 async def _disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _client_gone(_: Request, __: Exception) -> Response:
+    """The answer to a client that left: nobody reads it; the access log records 499."""
+    return Response(status_code=499)
 
 
 async def _error_response(_: Request, err: Exception) -> Response:
@@ -344,15 +373,16 @@ async def _error_response(_: Request, err: Exception) -> Response:
     return err.response()
 
 
-def _api_error(err: BaseException) -> ApiError | BaseException:
+def _api_error(err: BaseException, param: str | None = None) -> ApiError | BaseException:
+    """``err`` as the client sees it; ``param`` names the field a ``ValueError`` is about."""
     if isinstance(err, ApiError):
         return err
     if isinstance(err, EngineStopped):
         return ApiError(503, str(err), type="server_error", code="shutting_down")
     if isinstance(err, RequestFailed):
         return ApiError(500, f"the request failed inside the engine: {err}", type="server_error")
-    if isinstance(err, ValueError):  # the engine refused the prompt at submission
-        return ApiError(400, str(err))
+    if isinstance(err, ValueError):  # a refused image, or the engine refused the prompt
+        return ApiError(400, str(err), param=param)
     return err
 
 

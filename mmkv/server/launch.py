@@ -1,7 +1,9 @@
 """``mmkv serve [MODEL]`` (its flags: ``mmkv.cli``): the engine, and uvicorn with a clean SIGTERM.
 
-The start is logged at INFO: the model, its dtype, the KV pool in blocks and bytes, the attention
-backend, then the address, and ``ready`` once the socket is bound and the engine's thread runs.
+Bad settings (an empty ``--api-key``) end the start with a message naming the option, before
+the model loads; binding to a non-loopback address without a key logs a warning. The start is
+logged at INFO: the model, its dtype, the KV pool in blocks and bytes, the attention backend,
+then the address, and ``ready`` once the socket is bound and the engine's thread runs.
 On SIGTERM (or Ctrl-C) the server stops accepting connections, aborts every request in flight
 (streams end with an error event, waiting clients get 503), checks that the engine holds no block,
 and exits; connections still open after ``--shutdown-timeout`` seconds are closed.
@@ -19,6 +21,7 @@ from mmkv.engine import Engine
 from mmkv.engine_args import engine_from_args
 from mmkv.server.app import build_app
 from mmkv.server.async_engine import AsyncEngine
+from mmkv.server.host_check import exposure_warning
 from mmkv.server.settings import ServerSettings, settings_from_args
 
 log = logging.getLogger("mmkv.server")
@@ -42,17 +45,25 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def build_server(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
+def build_server(engine: Engine, settings: ServerSettings, port: int = 8000,
                  shutdown_timeout: float = 5.0, log_level: str = "warning") -> Server:
+    """The server for ``engine``, to listen on ``settings.host`` and ``port``."""
     front = AsyncEngine(engine, max_pending=engine.max_num_seqs + settings.max_waiting,
                         stall_seconds=settings.stall_seconds)
-    config = uvicorn.Config(build_app(front, settings), host=host, port=port, log_level=log_level,
+    config = uvicorn.Config(build_app(front, settings), host=settings.host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout, access_log=False)
     return Server(config, front)
 
 
 def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    try:
+        settings = settings_from_args(args)
+    except ValueError as err:
+        raise SystemExit(f"mmkv serve: {err}") from None
+    warning = exposure_warning(settings.host, settings.api_key)
+    if warning is not None:
+        log.warning(warning)
     if args.replicas < 1:
         raise SystemExit(f"--replicas must be >= 1, got {args.replicas}")
     if args.replicas > 1:
@@ -60,11 +71,10 @@ def run(args: argparse.Namespace) -> None:
 
         serve_app.run(args)
         return
-    settings = settings_from_args(args)
     log.info("loading %s", args.model)
     engine = engine_from_args(args)
     log_engine(engine)
-    server = build_server(engine, settings, args.host, args.port, args.shutdown_timeout, args.log_level)
+    server = build_server(engine, settings, args.port, args.shutdown_timeout, args.log_level)
     log.info("serving %s on http://%s:%d/v1", settings.served_model_name, args.host, args.port)
     server.run()
 

@@ -1,9 +1,11 @@
 """OpenAI request bodies as the server accepts them, and OpenAI's error body.
 
 Unknown fields are ignored (clients send many); fields whose non-default value mmkv cannot honour
-(penalties, logit bias, tools, JSON mode, echo, suffix) are refused with a 400 naming the field,
-rather than silently ignored. Extra fields beyond OpenAI's: ``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``priority``, ``cache_salt``.
+(frequency and presence penalties, tools, echo, suffix, a ``best_of`` other than ``n``) are refused
+with a 400 naming the field, rather than silently ignored. ``logit_bias`` (token ids as keys) and
+structured output (``response_format`` ``json_object`` or ``json_schema``) are honoured. Extra
+fields beyond OpenAI's: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``priority``,
+``cache_salt``, and vLLM's ``structured_outputs`` (choice, regex, json, grammar) and ``guided_*``.
 """
 
 from __future__ import annotations
