@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import mmkv.engine as engine_module
+import mmkv.engine_core as engine_module
 from mmkv import Engine, ModelLoadError, SamplingParams
 from test_engine_oracle import GREEDY, engine as device_engine, prompts
 
