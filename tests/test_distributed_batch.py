@@ -1,9 +1,9 @@
 """mmkv.distributed.answer on a local Ray cluster (2 CPUs, replicas on half a CPU each): answers
 equal one local Engine's, in input order; with affinity each image is encoded once in the whole
 cluster, each image and document (named as the rows' shared prefix or not) stays on one replica
-and documents keep more prefix hits, none of which round robin (measured in the same test) does; killing a replica mid-job loses and
-duplicates no row; bad rows come back with their error; the benchmark at a tiny size reports its
-figures."""
+and documents keep more prefix hits, none of which round robin (measured in the same test) does;
+killing a replica mid-job loses and duplicates no row; bad rows come back with their error; the
+benchmark at a tiny size reports its figures."""
 
 import json
 import os
@@ -162,6 +162,7 @@ def test_the_benchmark_reports_every_figure_at_a_tiny_size(cluster, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["outputs_equal"] is True and result["rows"] == 6
     assert result["encoder_calls"] == result["distinct_images"] == 2
+    assert result["documents_on_several_replicas"] == result["images_on_several_replicas"] == 0
     for key in ("startup_seconds", "keying_seconds", "seconds", "seconds_round_robin",
                 "speedup_affinity_vs_round_robin"):
         assert result[key] > 0, key

@@ -248,7 +248,8 @@ def test_router_keeps_each_reports_requests_on_one_replica():
     front.prefix_chars = 256 * longest_token(front.tokenizer)
     rng = random.Random(1)
     reports = [random_report(rng, fillers=(3, 4)) for _ in range(8)]
-    asks = [(k, document_prompt(r, qa.question)) for k, r in enumerate(reports) for qa in report_questions(r)[:4]]
+    asks = [(k, document_prompt(r, qa.question)) for k, r in enumerate(reports)
+            for qa in report_questions(r)[:4]]
     rng.shuffle(asks)
     router, replicas, _ = fake_router({}, threshold=8)
     where: dict[int, set[str]] = {}

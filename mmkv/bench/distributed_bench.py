@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rows = qa_rows(args.seed, args.images, args.questions, args.documents, args.document_questions,
                    args.shared_prefix)
-    warm_up = qa_rows(args.seed + 1, 2, 2, 1, 2, args.shared_prefix)  # other images and reports than the workload's
+    # other images and reports than the workload's
+    warm_up = qa_rows(args.seed + 1, 2, 2, 1, 2, args.shared_prefix)
     params = SamplingParams(max_tokens=args.max_tokens)
     engine = Engine(**ENGINE_OPTIONS)
     start = time.perf_counter()

@@ -8,8 +8,8 @@ on the replica that was given fewest rows so far (``routing.rank_by_prefix``, no
 batch rows are all queued at once). Guarantees: every row with one affinity key runs on one
 replica; rows that share a prefix covering at least ``match_ratio`` of each (whole chunks), such
 as a short report followed by each row's own question, run on the replica the first of them was
-placed on, in whatever order and block they come; placing is deterministic in the order rows
-arrive.
+placed on, in whatever order and block they come, unless a row placed elsewhere shares more
+than that prefix with one of them; placing is deterministic in the order rows arrive.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ class Placement:
 
     def _one(self, key: RouteKey) -> str:
         if isinstance(key, PrefixRoute):
-            replica = rank_by_prefix(key, self.index, self.rows, float("inf"), match_ratio=self.match_ratio)[0]
+            ranked = rank_by_prefix(key, self.index, self.rows, float("inf"), match_ratio=self.match_ratio)
+            replica = ranked[0]
             self.index.record(replica, key)
         else:
             replica = rendezvous_order(key, self.replicas)[0]

@@ -8,10 +8,10 @@ holds, with a load guard.
 * A request known only by its prompt (``prefix_index.PrefixRoute``) prefers the replica holding
   the longest of its prefixes, when that covers at least ``match_ratio`` of what the router read
   of it; else the least loaded replica, the one holding least on ties (``rank_by_prefix``, the
-  rule of SGLang's cache-aware router). So the rows of one document, each with a question no
-  longer than the document, all go where the first of them went (rows sharing a prefix of at
-  least ``match_ratio`` of their length, in whole chunks, go to one replica) while the load is
-  balanced.
+  rule of SGLang's cache-aware router). So rows sharing a prefix of at least ``match_ratio`` of
+  their length, in whole chunks (a document before questions no longer than it), all go where
+  the first of them went while the load is balanced, unless a prompt sent elsewhere shares more
+  than that prefix with one of them.
 * When the load is imbalanced (the longest queue exceeds the shortest by more than ``threshold``
   requests and by more than ``ratio`` times, as SGLang decides), both rank by queue length
   instead, so a burst on one key or one document spills onto idle replicas.

@@ -63,7 +63,8 @@ class EngineReplica:
         async for item in self.front.generate(prompts, params, cache_salt, stream, strict_max_tokens):
             yield item
 
-    async def tokenize(self, prompt: Any, cache_salt: str | None, affinity: RouteKey | None = None) -> Tokenized:
+    async def tokenize(self, prompt: Any, cache_salt: str | None,
+                       affinity: RouteKey | None = None) -> Tokenized:
         """``AsyncEngine.tokenize``; ``affinity`` is read by the router only."""
         return await self.front.tokenize(prompt, cache_salt)
 

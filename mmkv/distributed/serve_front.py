@@ -81,8 +81,9 @@ class ReplicaSetFront:
 
     def affinity(self, prompt: Any, cache_salt: str | None) -> RouteKey | None:
         """The prompt's affinity key, else its route; None when neither can be computed here
-        (the replica will then refuse the prompt with the reason). Runs on a worker thread, off the event loop that
-        relays every replica's stream; text is tokenized only as far as the key reads it."""
+        (the replica will then refuse the prompt with the reason). Runs on a worker thread, off
+        the event loop that relays every replica's stream; text is tokenized only as far as the
+        route reads it."""
         try:
             if isinstance(prompt, ChatPrompt) and prompt.images:
                 return image_affinity(prompt.images[0], cache_salt)
