@@ -1,9 +1,9 @@
 """mmkv.distributed.answer on a local Ray cluster (2 CPUs, replicas on half a CPU each): answers
 equal one local Engine's, in input order; with affinity each image is encoded once in the whole
-cluster, each image and document stays on one replica and documents keep more prefix hits, none
-of which round robin (measured in the same test) does; killing a replica mid-job loses and
-duplicates no row; bad rows come back with their error; the benchmark at a tiny size reports its
-figures."""
+cluster, each image and document (named as the rows' shared prefix or not) stays on one replica
+and documents keep more prefix hits, none of which round robin (measured in the same test) does;
+killing a replica mid-job loses and duplicates no row; bad rows come back with their error; the
+benchmark at a tiny size reports its figures."""
 
 import json
 import os
@@ -34,14 +34,17 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def workload():
-    """12 images x 8 questions and 4 documents (~90-token reports, each row's ``shared_prefix``)
-    x 6 instructions, shuffled, plus three bad rows, and what one local engine answers."""
-    rows = qa_rows(0, 12, 8, 4, 6)
+    """12 images x 8 questions and 4 documents (~90-token reports) x 6 instructions, shuffled,
+    the rows of two documents naming their report as ``shared_prefix`` and those of the other two
+    not, plus three bad rows, and what one local engine answers."""
+    rows = [{**row, "shared_prefix": None} if row["group"] in ("document-0", "document-1") else row
+            for row in qa_rows(0, 12, 8, 4, 6)]
     bad = [{"id": len(rows), "question": "how many shapes are there?", "image": b"not an image",
-            "prompt": None, "shared_prefix": None},
-           {"id": len(rows) + 1, "question": None, "image": None, "prompt": None, "shared_prefix": None},
+            "prompt": None, "shared_prefix": None, "group": None},
+           {"id": len(rows) + 1, "question": None, "image": None, "prompt": None, "shared_prefix": None,
+            "group": None},
            {"id": len(rows) + 2, "question": None, "image": None, "prompt": "a report. instruction: x",
-            "shared_prefix": "another report."}]
+            "shared_prefix": "another report.", "group": None}]
     engine = Engine(**ENGINE_OPTIONS)
     outs = engine.generate(local_prompts(engine, rows), PARAMS, use_tqdm=False)
     engine.check_integrity()
@@ -73,12 +76,12 @@ def check_rows(out, rows, want):
     assert "'shared_prefix' must be a string that its 'prompt' starts with" in unshared["error"]
 
 
-def replicas_per_group(out) -> dict[object, set[str]]:
+def replicas_per_group(out) -> dict[str, set[str]]:
     """Each image's and each document's replicas (the good rows only)."""
-    groups: dict[object, set[str]] = {}
+    groups: dict[str, set[str]] = {}
     for r in out:
         if r["error"] is None:
-            groups.setdefault(r["image"] or r["shared_prefix"], set()).add(r["replica"])
+            groups.setdefault(r["group"], set()).add(r["replica"])
     return groups
 
 
@@ -90,8 +93,8 @@ def test_affinity_encodes_each_image_once_in_the_cluster(cluster, workload):
         assert [r["id"] for r in out] == [r["id"] for r in rows]  # in input order
         assert replicas.stats.total("encoder_calls") == 12
         assert len(replicas.stats.snapshot()) == 2 and len({r["replica"] for r in out}) == 2
-    # the default key reads 256 tokens, longer than a report and its instruction: each document
-    # stays on one replica because its rows name it as their shared prefix
+    # a report with its instruction is shorter than the 256 tokens a route reads: the rows that
+    # do not name their report stay on one replica because the report is their longest prefix held
     groups = replicas_per_group(out)
     assert len(groups) == 16 and all(len(replicas) == 1 for replicas in groups.values())
     cached = sum(r["cached_tokens"] for r in out)
@@ -159,6 +162,7 @@ def test_the_benchmark_reports_every_figure_at_a_tiny_size(cluster, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["outputs_equal"] is True and result["rows"] == 6
     assert result["encoder_calls"] == result["distinct_images"] == 2
+    assert result["documents_on_several_replicas"] == result["images_on_several_replicas"] == 0
     for key in ("startup_seconds", "keying_seconds", "seconds", "seconds_round_robin",
                 "speedup_affinity_vs_round_robin"):
         assert result[key] > 0, key

@@ -20,8 +20,8 @@ from mmkv import SamplingParams
 from mmkv.distributed import serve_app
 from mmkv.cli import add_serve_arguments
 from mmkv.synthetic import scene_prompt
-from server_harness import (MODEL_NAME, bundled_engine, free_socket, png_data_url, report_chat, scene_chat,
-                            scenes_and_reports)
+from server_harness import (MODEL_NAME, REPORT_QUESTIONS, bundled_engine, free_socket, png_data_url, report_chat,
+                            report_prompt, scene_chat, scenes_and_reports)
 
 QUESTIONS = ("how many shapes are there?", "describe the scene.", "what is at the centre?",
              "what is at the top left?", "is there a red circle?", "how many circles are there?")
@@ -119,12 +119,17 @@ def test_a_burst_on_one_image_spreads_over_both_replicas(url):
 def test_tokenize_reaches_the_replica_that_holds_the_prompt(url):
     """``/tokenize`` goes where a request with the prompt would go: after a chat about a report
     ran (keyed by the report, its system message), the same report with another question shows
-    the shared prefix cached there, whichever of the two replicas that is."""
-    _, [report] = scenes_and_reports(5, 0, 1)
+    the shared prefix cached there, whichever of the two replicas that is; so do completions of
+    reports that name no shared part (routed by the longest prefix a replica holds)."""
+    _, reports = scenes_and_reports(5, 0, 4)
     api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    api.chat.completions.create(model=MODEL_NAME, messages=report_chat(report, "who is the mayor?"), max_tokens=2)
-    done = httpx.post(f"{url}/tokenize", json={"messages": report_chat(report, "when was it founded?")}).json()
+    api.chat.completions.create(model=MODEL_NAME, messages=report_chat(reports[0], "who is the mayor?"), max_tokens=2)
+    done = httpx.post(f"{url}/tokenize", json={"messages": report_chat(reports[0], "when was it founded?")}).json()
     assert done["count"] == len(done["tokens"]) and done["cached_tokens"] > 0
+    for report in reports[1:]:
+        api.completions.create(model=MODEL_NAME, prompt=report_prompt(report, REPORT_QUESTIONS[1]), max_tokens=2)
+        done = httpx.post(f"{url}/tokenize", json={"prompt": report_prompt(report, REPORT_QUESTIONS[2])}).json()
+        assert done["cached_tokens"] > 0
     with pytest.raises(httpx.HTTPStatusError, match="400"):
         httpx.post(f"{url}/tokenize", json={"prompt": [5] * 5000}).raise_for_status()
 

@@ -1,10 +1,17 @@
 """The cache-aware ranking (mmkv.distributed.routing), without Ray: rendezvous hashing keeps
-every key on one replica and moves only the keys of a removed replica; the load guard switches
-to the shortest queue exactly when SGLang's rule says the load is imbalanced."""
+every key on one replica and moves only the keys of a removed replica; ranking by prefix picks
+what a naive search of every prompt sent says (the longest match when it covers at least half of
+the prompt, else the least loaded replica), and keeps each document's rows on one replica, in
+batch placement and in the Serve router; the load guard switches to the shortest queue exactly
+when SGLang's rule says the load is imbalanced."""
 
-from hypothesis import given, strategies as st
+from types import SimpleNamespace
 
-from mmkv.distributed.routing import imbalanced, rank_replicas, rendezvous_order
+from hypothesis import given, settings, strategies as st
+
+from mmkv.distributed.placement import Placement
+from mmkv.distributed.prefix_index import CHUNK, PrefixIndex, prefix_route
+from mmkv.distributed.routing import MATCH_RATIO, imbalanced, rank_by_prefix, rank_replicas, rendezvous_order
 
 REPLICAS = [f"replica-{i}" for i in range(4)]
 
@@ -38,6 +45,92 @@ def test_balanced_load_follows_the_key_imbalanced_load_the_shortest_queue():
     skewed = {**balanced, preferred[0]: 20}
     assert rank_replicas(key, skewed, threshold=8) == [preferred[1], preferred[3], preferred[2], preferred[0]]
     assert rank_replicas(None, balanced, threshold=8)[0] == preferred[1]
+
+
+def naive_matched(sent: list[tuple[str, list[int]]], prompt: list[int], limit: int) -> dict[str, int]:
+    """Per replica, the longest common prefix of ``prompt`` with a prompt sent there, in whole
+    chunks of what the router reads: the reference for ``PrefixIndex.matched``."""
+    best: dict[str, int] = {}
+    for replica, other in sent:
+        a, b = prompt[:limit], other[:limit]
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        best[replica] = max(best.get(replica, 0), common // CHUNK * CHUNK)
+    return best
+
+
+def chunks(codes: list[int]) -> list[int]:
+    """Whole chunks, equal where their codes are."""
+    return [CHUNK * code + i for code in codes for i in range(CHUNK)]
+
+
+whole_chunks = st.lists(st.integers(0, 3), max_size=5).map(chunks)
+documents = st.lists(whole_chunks, min_size=1, max_size=3)
+# a document, whole chunks after it, then a few more elements
+prompts = st.tuples(st.integers(0, 2), whole_chunks, st.lists(st.integers(0, 9), max_size=20))
+
+
+@settings(max_examples=300, deadline=None)
+@given(documents, st.lists(st.tuples(st.sampled_from("abc"), prompts), max_size=8), prompts,
+       st.fixed_dictionaries({r: st.integers(0, 12) for r in "abc"}), st.integers(CHUNK, 120))
+def test_ranking_by_prefix_agrees_with_a_naive_search_of_every_prompt_sent(docs, history, request_, loads,
+                                                                          limit):
+    def text(p):
+        return docs[p[0] % len(docs)] + p[1] + p[2]
+
+    index = PrefixIndex()
+    sent = [(replica, text(p)) for replica, p in history]
+    for replica, prompt in sent:
+        index.record(replica, prefix_route(prompt, None, limit))
+    prompt = text(request_)
+    first = rank_by_prefix(prefix_route(prompt, None, limit), index, loads, threshold=8)[0]
+    matched = {r: naive_matched(sent, prompt, limit).get(r, 0) for r in "abc"}
+    longest = max(matched.values())
+    if not imbalanced(loads, 8) and longest > 0 and longest >= MATCH_RATIO * len(prompt[:limit]):
+        assert matched[first] == longest
+        assert loads[first] == min(loads[r] for r in "abc" if matched[r] == longest)
+    else:
+        assert loads[first] == min(loads.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("ab"), whole_chunks), max_size=12), st.integers(1, 12))
+def test_a_replica_keeps_at_most_max_keys_and_never_a_prefix_without_its_own_prefixes(sent, max_keys):
+    index = PrefixIndex(max_keys=max_keys)
+    routes = [(replica, prefix_route(prompt, None, 256)) for replica, prompt in sent]
+    for replica, route in routes:
+        index.record(replica, route)
+    for replica, route in routes:
+        kept = [key in index.kept.get(replica, {}) for key in route.keys]
+        assert kept == sorted(kept, reverse=True)  # a run from the first chunk
+        assert index.size(replica) <= max_keys
+        assert index.matched(route, [replica])[replica] == CHUNK * sum(kept)
+
+
+def test_a_salt_or_a_change_in_the_first_chunk_gives_another_route():
+    doc = list(range(100, 200))
+    assert prefix_route(doc + [1], None, 256).keys == prefix_route(doc + [2], None, 256).keys
+    assert prefix_route(doc, "a", 256).keys[0] != prefix_route(doc, None, 256).keys[0]
+    assert prefix_route([7] + doc[1:], None, 256).keys[-1] != prefix_route(doc, None, 256).keys[-1]
+    assert prefix_route(doc, None, 40) == (prefix_route(doc, None, 256).keys[:2], 40)
+    assert prefix_route("a" * 40, None, 256).length == 40
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 8)), min_size=1, max_size=6),
+       st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1000)), min_size=1, max_size=40),
+       st.integers(2, 4))
+def test_placement_keeps_each_documents_rows_on_one_replica(sizes, asks, n):
+    """Documents of whole chunks, each row one of them plus a question no longer than it (so the
+    document covers at least half of the row), in any order: each document's rows on one replica."""
+    docs = [[1000 * (k + 1) + i for i in range(CHUNK * chunks)] for k, (chunks, _) in enumerate(sizes)]
+    placement = Placement([f"replica-{i}" for i in range(n)])
+    where: dict[int, set[int]] = {}
+    for doc, seed in asks:
+        doc %= len(docs)
+        question = [seed + i for i in range(seed % (len(docs[doc]) + 1))]
+        [replica] = placement.place([prefix_route(docs[doc] + question, None, 256)])
+        where.setdefault(doc, set()).add(replica)
+    assert all(len(replicas) == 1 for replicas in where.values()), where
 
 
 def fake_router(known: dict[str, int], threshold: int):
@@ -134,3 +227,37 @@ def test_requests_placed_on_a_replica_that_died_stop_counting():
     assert router.placed() == {"a": 2, "b": 1}  # r2 still a claim on "a"
     router.on_replica_actor_died(a)
     assert router.placed() == {"b": 1}
+
+
+def test_router_keeps_each_reports_requests_on_one_replica():
+    """Serve: completions of short reports (about 300 characters, no shared part named), each
+    followed by its own questions, keyed by the ingress (``ReplicaSetFront.affinity``) and ranked
+    by the router one after another: every report's requests go to one replica, and the reports
+    to both replicas."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from mmkv.bundled import BUNDLED_MODEL
+    from mmkv.distributed.serve_front import ReplicaSetFront
+    from mmkv.preparer import longest_token
+    from mmkv.synthetic import document_prompt, random_report, report_questions
+
+    front = ReplicaSetFront(None, None, 2, 8, 256)
+    front.tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    front.prefix_chars = 256 * longest_token(front.tokenizer)
+    rng = random.Random(1)
+    reports = [random_report(rng, fillers=(3, 4)) for _ in range(8)]
+    asks = [(k, document_prompt(r, qa.question)) for k, r in enumerate(reports)
+            for qa in report_questions(r)[:4]]
+    rng.shuffle(asks)
+    router, replicas, _ = fake_router({}, threshold=8)
+    where: dict[int, set[str]] = {}
+    for i, (k, prompt) in enumerate(asks):
+        pending = request(front.affinity(prompt, None), f"r{i}")
+        replica = first_choice(router, replicas, pending)
+        router.on_request_routed(pending, SimpleNamespace(unique_id=replica), None)
+        router.on_request_completed(SimpleNamespace(unique_id=replica), f"r{i}")
+        where.setdefault(k, set()).add(replica)
+    assert all(len(r) == 1 for r in where.values()), where
+    assert set().union(*where.values()) == {"a", "b"}

@@ -1,11 +1,12 @@
-"""Batch Q&A on a local Ray cluster: mmkv.distributed.answer with image/prefix affinity against the
-batches sent whole to the least busy replica (as Ray's own LLM processor sends them), and
-both against one local Engine on the same rows.
+"""Batch Q&A on a local Ray cluster: mmkv.distributed.answer with image/prefix affinity against
+round robin (``affinity=False``: a block's rows in batches of ``--batch-size`` to the replicas in
+turn, whatever each replica is busy with), and both against one local Engine on the same rows.
 
 Workload (bundled model, greedy): ``--images`` synthetic scenes x ``--questions`` questions each
 and ``--documents`` city reports x ``--document-questions`` instructions each (a report row names
-its report as its ``shared_prefix``), shuffled: a table of questions, not grouped by image. The
-defaults make 1,040 rows on 2 replicas.
+its report as its ``shared_prefix``, unless ``--no-shared-prefix``: then the router must find the
+report itself), shuffled: a table of questions, not grouped by image. The defaults make 1,040
+rows on 2 replicas.
 
 Ray is started, and one uncounted pass of each side run on other images and reports, before
 anything is timed. Then the two sides take turns for ``--repeats`` rounds (the first side of a
@@ -16,7 +17,9 @@ alone, from the first row read to the last answer, with keying included on the a
 medians of its passes; ``speedup_affinity_vs_round_robin`` is the median over rounds of each
 round's ratio (round robin's seconds over affinity's). Reported with them: ``rows``,
 ``distinct_images``; ``encoder_calls``, ``cached_prompt_tokens`` and ``kv_bytes_peak`` summed over
-the replicas for both sides and for the single engine; ``outputs_equal`` (every answer of every
+the replicas for both sides and for the single engine; ``documents_on_several_replicas`` and
+``images_on_several_replicas`` (how many reports and images had rows answered on more than one
+replica: each of them was prefilled or encoded more than once); ``outputs_equal`` (every answer of every
 pass equals the single engine's).
 """
 
@@ -53,23 +56,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", type=float, default=os.cpu_count(), help="the local cluster's CPUs")
     p.add_argument("--repeats", type=int, default=2, help="counted rounds of both sides")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="report rows name their report as their shared_prefix")
 
 
-def qa_rows(seed: int, images: int, questions: int, documents: int, document_questions: int
-            ) -> list[dict[str, Any]]:
+def qa_rows(seed: int, images: int, questions: int, documents: int, document_questions: int,
+            shared_prefix: bool = True) -> list[dict[str, Any]]:
     """Scene question rows (``question`` + PNG ``image``) and report instruction rows
-    (``prompt`` with the report as its ``shared_prefix``), each with an ``id``, shuffled."""
+    (``prompt``, with the report as its ``shared_prefix`` if ``shared_prefix``), each with an
+    ``id`` and its ``group`` (``image-k`` or ``document-k``), shuffled."""
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
-    for _ in range(images):
+    for k in range(images):
         png = io.BytesIO()
         random_scene(rng).render().save(png, "PNG")
-        rows += [{"question": q, "image": png.getvalue(), "prompt": None, "shared_prefix": None}
-                 for q in SCENE_QUESTIONS[:questions]]
-    for _ in range(documents):
+        rows += [{"question": q, "image": png.getvalue(), "prompt": None, "shared_prefix": None,
+                  "group": f"image-{k}"} for q in SCENE_QUESTIONS[:questions]]
+    for k in range(documents):
         report = random_report(rng)
         rows += [{"question": None, "image": None, "prompt": document_prompt(report, qa.question),
-                  "shared_prefix": report.text} for qa in report_questions(report)[:document_questions]]
+                  "shared_prefix": report.text if shared_prefix else None, "group": f"document-{k}"}
+                 for qa in report_questions(report)[:document_questions]]
     rng.shuffle(rows)
     return [{"id": i, **row} for i, row in enumerate(rows)]
 
@@ -101,8 +108,18 @@ def one_pass(rows: list[dict[str, Any]], affinity: bool, params: SamplingParams,
                    "encoder_calls": board.total("encoder_calls"),
                    "cached_prompt_tokens": sum(r["cached_tokens"] for r in out),
                    "kv_bytes_peak": board.total("peak_kv_bytes"),
-                   "replicas_used": len({r["replica"] for r in out}), "rows_out": len(out)}
+                   "replicas_used": len({r["replica"] for r in out}), "rows_out": len(out),
+                   **groups_on_several_replicas(out)}
     return figures, {r["id"]: r["answer"] for r in out}
+
+
+def groups_on_several_replicas(out: list[dict[str, Any]]) -> dict[str, int]:
+    """How many documents and how many images had rows answered on more than one replica."""
+    replicas: dict[str, set[str]] = {}
+    for r in out:
+        replicas.setdefault(r["group"], set()).add(r["replica"])
+    several = [group.split("-")[0] for group, where in replicas.items() if len(where) > 1]
+    return {f"{kind}s_on_several_replicas": several.count(kind) for kind in ("document", "image")}
 
 
 def keying_seconds(rows: list[dict[str, Any]], prefix_tokens: int) -> float:
@@ -123,8 +140,10 @@ def keying_seconds(rows: list[dict[str, Any]], prefix_tokens: int) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    rows = qa_rows(args.seed, args.images, args.questions, args.documents, args.document_questions)
-    warm_up = qa_rows(args.seed + 1, 2, 2, 1, 2)  # other images and reports than the workload's
+    rows = qa_rows(args.seed, args.images, args.questions, args.documents, args.document_questions,
+                   args.shared_prefix)
+    # other images and reports than the workload's
+    warm_up = qa_rows(args.seed + 1, 2, 2, 1, 2, args.shared_prefix)
     params = SamplingParams(max_tokens=args.max_tokens)
     engine = Engine(**ENGINE_OPTIONS)
     start = time.perf_counter()
@@ -154,6 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ray.shutdown()
     images = {r["image"] for r in rows if r["image"] is not None}  # two scenes may draw alike
     result: dict[str, Any] = {"rows": len(rows), "distinct_images": len(images),
+                              "shared_prefix_named": args.shared_prefix,
                               "replicas": args.replicas, "single_engine_seconds": round(single_seconds, 2)}
     for side, figures in passes.items():
         suffix = "" if SIDES[side] else "_round_robin"

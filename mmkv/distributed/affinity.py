@@ -8,19 +8,22 @@ A request's key names what it shares with others, as precisely as the request te
 * a chat request of several turns: every message before its last user turn (a shared system
   document and earlier turns, whatever their length; the new question does not count);
 * a prompt whose shared part is named (a batch row's ``shared_prefix``): that part, whole;
-* otherwise, when nothing tells: its first ``prefix_tokens`` token ids.
+* otherwise, when nothing tells, no key: the request is routed by its prompt's prefixes
+  (``prefix_index.PrefixRoute``, read up to its first ``prefix_tokens`` token ids), to the
+  replica that already holds the longest of them (``routing.rank_by_prefix``).
 
-The cache salt is part of every key, so requests that may never share KV are never grouped for
-sharing.
+The cache salt is part of every key and route, so requests that may never share KV are never
+grouped for sharing.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any
 
 import xxhash
 
+from mmkv.distributed.prefix_index import RouteKey, prefix_route
 from vision import ImageInput, load_image, pixel_key
 
 DEFAULT_PREFIX_TOKENS = 256
@@ -29,12 +32,6 @@ DEFAULT_PREFIX_TOKENS = 256
 def image_affinity(image: ImageInput, cache_salt: str | None = None, name: str = "image") -> str:
     """The key of a request about ``image``; ``vision.ImageError`` when it cannot be read."""
     return f"image:{_salt(cache_salt)}:{pixel_key(load_image(image, name)).hex()}"
-
-
-def prefix_affinity(token_ids: Sequence[int], prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
-                    cache_salt: str | None = None) -> str:
-    """The key of a text request that names no shared part: its first ``prefix_tokens`` ids."""
-    return _text(",".join(map(str, token_ids[:prefix_tokens])), cache_salt)
 
 
 def shared_prefix_affinity(shared_prefix: str, cache_salt: str | None = None) -> str:
@@ -59,10 +56,10 @@ def _salt(cache_salt: str | None) -> str:
     return xxhash.xxh3_64_hexdigest((cache_salt or "").encode())
 
 
-def batch_line_affinity(text: str) -> str:
-    """Which replica a line should run on (``--ray-replicas``): its first image, else the chat
-    messages before its last user turn, else the start of its prompt; lines with one key share one
-    replica's cache."""
+def batch_line_key(text: str) -> RouteKey:
+    """What places a line of a batch file (``--ray-replicas``): its first image's key, else the
+    chat messages before its last user turn, else the route of its prompt's (or messages') first
+    ``PREFIX_CHARS`` characters."""
     try:
         body = json.loads(text).get("body") or {}
         salt = body.get("cache_salt")
@@ -72,10 +69,10 @@ def batch_line_affinity(text: str) -> str:
                 for part in message.get("content") if isinstance(message.get("content"), list) else []:
                     if part.get("type") == "image_url":
                         return "image:" + str(part["image_url"]["url"])[-4096:]
-            return chat_affinity(messages, salt) or shared_prefix_affinity(json.dumps(messages)[:PREFIX_CHARS], salt)
-        return shared_prefix_affinity(str(body.get("prompt"))[:PREFIX_CHARS], salt)
+            return chat_affinity(messages, salt) or prefix_route(json.dumps(messages), salt, PREFIX_CHARS)
+        return prefix_route(str(body.get("prompt")), salt, PREFIX_CHARS)
     except (ValueError, AttributeError, TypeError, KeyError):
         return "unusable"  # the replica refuses the line, with the reason
 
 
-PREFIX_CHARS = 1024  # the characters of a prompt that key a line naming no shared part
+PREFIX_CHARS = 1024  # the characters of a line's prompt that its route reads

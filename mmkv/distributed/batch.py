@@ -10,21 +10,25 @@ session of jobs pays their start once, and they report their ``Engine.stats()`` 
 ``answer(ds, replicas)`` sends the dataset's blocks to the replicas in turn, as they are read,
 and returns the dataset of their answers once every block is answered (Ray Data runs small tasks
 of its own for this, so the cluster must keep a CPU free of the replicas). The replicas route
-among themselves, with no shuffle, no barrier and no process but theirs: the
-replica given a block keys each row (``rows.py`` and ``affinity.py``: the image's canonical-pixel
-key; else the row's ``shared_prefix``, whole; else a hash of its first ``affinity_prefix_tokens``
-token ids), answers the rows its key gives to it and sends every other row to the replica its key
-prefers (rendezvous hashing: one key, one replica, whichever replica keyed it). So an image is
-encoded once and its cross-attention K/V computed once in the whole cluster, and a document
-prefilled once, in whatever order and block its rows come. With ``affinity=False`` a block's
-rows go out in batches of ``batch_size`` to the replicas in turn, as Ray's own LLM processor sends
-batches to its engines.
+among themselves, with no shuffle and no barrier: the replica given a block keys each row
+(``rows.py`` and ``affinity.py``: the image's canonical-pixel key; else the row's
+``shared_prefix``, whole; else the route of its first ``affinity_prefix_tokens`` token ids), asks
+the one ``placement.Placement`` of the replicas (a small actor of no CPU) where each row goes,
+answers the rows placed on it and sends every other row to its replica. One key goes to one
+replica (rendezvous hashing), and a prompt to the replica holding the longest of its prefixes
+when that covers at least half of it: so an image is encoded once and its cross-attention K/V
+computed once in the whole cluster, and a document prefilled once (named as the rows'
+``shared_prefix``, or a report at least as long as each row's question after it), in whatever
+order and block its rows come. With ``affinity=False`` a block's rows go out in batches of
+``batch_size`` to the replicas in turn, as Ray's own LLM processor sends batches to its engines.
 
 Guarantees: every input row comes out exactly once, in input order, with the input's columns plus
 ``answer``, ``finish_reason``, ``prompt_tokens``, ``cached_tokens``, ``replica`` and ``error`` (set
 instead of ``answer`` for a row that failed; the other rows are unaffected). A replica that dies
 is restarted by Ray and the calls it had are sent again (``max_restarts=-1``,
-``max_task_retries=-1``; each call returns its rows once), so no row is lost or duplicated.
+``max_task_retries=-1``; each call returns its rows once), so no row is lost or duplicated. A
+restarted placement actor starts empty: rows are still answered once each, but a document whose
+rows were placed before may then be prefilled on a second replica.
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ from tqdm import tqdm
 
 from mmkv import Engine, SamplingParams
 from mmkv.bundled import BUNDLED_MODEL
-from mmkv.distributed.affinity import DEFAULT_PREFIX_TOKENS, batch_line_affinity
-from mmkv.distributed.routing import rendezvous_order
+from mmkv.distributed.affinity import DEFAULT_PREFIX_TOKENS, batch_line_key
+from mmkv.distributed.placement import Placement
 from mmkv.distributed.rows import KEY, AffinityKeys, row_error, row_value
 from mmkv.distributed.stats_board import StatsBoard
 from mmkv.server.async_engine import AsyncEngine, RequestFailed
@@ -70,9 +74,11 @@ class Replicas:
         self.stats = StatsBoard()
         # names, so that a restarted replica finds its peers again
         self.names = [f"replica-{uuid.uuid4().hex[:8]}-{i}" for i in range(n)]
+        self.placement = _PlacementActor.remote(self.names)
         self.actors = [_EngineReplica.options(name=name, namespace=NAMESPACE, num_cpus=num_cpus,
                                               max_restarts=-1, max_task_retries=-1)
-                       .remote(str(model), dict(engine_options or {}), self.stats.actor, self.names, i)
+                       .remote(str(model), dict(engine_options or {}), self.stats.actor, self.placement,
+                               self.names, i)
                        for i, name in enumerate(self.names)]
         self._started = time.perf_counter()
 
@@ -82,7 +88,7 @@ class Replicas:
         return time.perf_counter() - self._started
 
     def close(self) -> None:
-        for actor in self.actors:
+        for actor in [*self.actors, self.placement]:
             ray.kill(actor, no_restart=True)
         self.actors = []
 
@@ -125,18 +131,17 @@ def run_batch_on_replicas(model: str, replicas: int, engine_options: dict[str, A
                           lines: Iterable[str], progress: bool = True) -> list[dict[str, Any]]:
     """``mmkv.server.batch_file.run_batch`` on ``replicas`` engine replicas (on the Ray cluster
     ``ray.init`` reaches): every line checked here, each one run on the replica its
-    ``batch_line_affinity`` picks, so lines that share an image or a prefix share one replica's cache;
-    the results in input order."""
+    ``batch_line_key`` places it on (``placement.Placement``, here), so lines that share an image
+    or a prefix share one replica's cache; the results in input order."""
     seen: set[str] = set()
     lines = [text for text in lines if text.strip()]
     checked = [check_line(text, seen) for text in lines]
     results: list[dict[str, Any] | None] = [line.result for line in checked]
     with Replicas(model, replicas, engine_options) as pool:
+        todo = [i for i, line in enumerate(checked) if line.result is None]
         groups: dict[int, list[int]] = {}
-        for i, line in enumerate(checked):
-            if line.result is None:
-                target = pool.names.index(rendezvous_order(batch_line_affinity(lines[i]), pool.names)[0])
-                groups.setdefault(target, []).append(i)
+        for i, target in zip(todo, Placement(pool.names).place([batch_line_key(lines[i]) for i in todo])):
+            groups.setdefault(target, []).append(i)
         calls = {target: pool.actors[target].batch_lines.remote([lines[i] for i in members])
                  for target, members in groups.items()}
         with tqdm(total=len(calls), desc="replicas", unit="replica", disable=not progress) as bar:
@@ -160,17 +165,20 @@ def row_prompt(engine: Engine, prompt: Any, question: Any, image: Any) -> Any:
     return {"prompt": text, "images": [image]} if image is not None else text
 
 
+_PlacementActor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(Placement)
+
+
 @ray.remote
 class _EngineReplica:
     """One ``Engine`` behind an ``AsyncEngine``: every call's rows join one continuous batch.
     Routes the blocks it is given (the module docstring) and answers rows; reports its stats to
     the board once built and after each call."""
 
-    def __init__(self, model: str, engine_options: dict[str, Any], board: Any, names: list[str],
-                 index: int) -> None:
+    def __init__(self, model: str, engine_options: dict[str, Any], board: Any, placement: Any,
+                 names: list[str], index: int) -> None:
         self.front = AsyncEngine(Engine(model, **engine_options), max_pending=UNBOUNDED)
         self.front.start()
-        self.board, self.names, self.index = board, names, index
+        self.board, self.placement, self.names, self.index = board, placement, names, index
         self.peers: dict[int, Any] = {}  # replica index -> its handle, looked up by name
         self.name = f"{names[index]}-{os.getpid()}"  # one name per incarnation
         self.board.report.remote(self.name, self.front.engine.stats())
@@ -186,8 +194,7 @@ class _EngineReplica:
         if affinity:
             keys = AffinityKeys(self.front.engine.tokenizer, prefix_tokens)
             block = await asyncio.to_thread(keys, block)  # reads every image: off the event loop
-            order = {name: i for i, name in enumerate(self.names)}
-            chosen = [order[rendezvous_order(key, self.names)[0]] for key in block[KEY]]
+            chosen = await self.placement.place.remote(list(block[KEY]))
             block = block.drop(columns=[KEY])
         else:
             chosen = [(position + i // batch_size) % n for i in range(len(block))]

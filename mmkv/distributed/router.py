@@ -1,10 +1,12 @@
-"""The Serve request router of ``mmkv serve --replicas N``: ``routing.rank_replicas`` on Ray
-Serve's ``RequestRouter`` API.
+"""The Serve request router of ``mmkv serve --replicas N``: ``routing.rank_replicas`` and
+``routing.rank_by_prefix`` on Ray Serve's ``RequestRouter`` API.
 
-Each request carries its affinity key as the ``affinity`` keyword (computed by the ingress:
-``ReplicaSetFront``). Every replica is returned as a rank of its own, most preferred first, so
-Serve sends the request to the first that accepts it (one whose queue is full refuses and the next
-is tried).
+Each request carries its affinity key, or its prompt's ``PrefixRoute``, as the ``affinity``
+keyword (computed by the ingress: ``ReplicaSetFront``). Every replica is returned as a rank of its
+own, most preferred first, so Serve sends the request to the first that accepts it (one whose
+queue is full refuses and the next is tried). A route is recorded in the router's
+``PrefixIndex`` on the replica ranked first, and on the replica that accepts it if another; a
+replica that dies is forgotten.
 
 A replica's queue length is the larger of two figures:
 
@@ -27,14 +29,16 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from mmkv.distributed.routing import rank_replicas
+from mmkv.distributed.prefix_index import PrefixIndex, PrefixRoute
+from mmkv.distributed.routing import rank_by_prefix, rank_replicas
 
 CLAIM_S = 2.0  # a ranked request neither accepted nor re-ranked for this long no longer counts
 
 
 class CacheAwareRouter(RequestRouter):
-    """Routes requests with one affinity key (an image, a document prefix) to one replica while
-    the load is balanced, and to the shortest queue when it is not (see ``routing.py``)."""
+    """Routes requests with one affinity key (an image, a chat's earlier turns) to one replica,
+    and a prompt to the replica holding the longest of its prefixes, while the load is balanced;
+    to the shortest queue when it is not (see ``routing.py``)."""
 
     def initialize_state(self, threshold: int = 8, ratio: float = 1.5) -> None:
         self.threshold = threshold
@@ -42,6 +46,7 @@ class CacheAwareRouter(RequestRouter):
         self.clock = time.monotonic
         self.claims: dict[str, tuple[str, float]] = {}  # request id -> (replica ranked first, when)
         self.accepted: dict[str, str] = {}  # request id -> the replica running it
+        self.prefixes = PrefixIndex()
 
     def placed(self) -> dict[str, int]:
         """This router's requests per replica: accepted and not completed, or ranked within ``CLAIM_S``."""
@@ -72,15 +77,22 @@ class CacheAwareRouter(RequestRouter):
         placed = self.placed()
         lens = {r: max(n, placed.get(r, 0)) for r, n in lens.items()}
         key = pending_request.kwargs.get("affinity") if pending_request is not None else None
-        ranked = rank_replicas(key, lens, self.threshold, self.ratio)
+        if isinstance(key, PrefixRoute) and lens:
+            ranked = rank_by_prefix(key, self.prefixes, lens, self.threshold, self.ratio)
+            self.prefixes.record(ranked[0], key)
+        else:
+            ranked = rank_replicas(key, lens, self.threshold, self.ratio)
         if pending_request is not None and ranked:
             self.claims[pending_request.metadata.internal_request_id] = (ranked[0], self.clock())
         return [[by_id[r]] for r in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         request_id = pending_request.metadata.internal_request_id
-        self.claims.pop(request_id, None)
+        claim = self.claims.pop(request_id, None)
         self.accepted[request_id] = replica_id.unique_id
+        key = pending_request.kwargs.get("affinity")
+        if isinstance(key, PrefixRoute) and (claim is None or claim[0] != replica_id.unique_id):
+            self.prefixes.record(replica_id.unique_id, key)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         # A refused send completes too, possibly after its request was accepted elsewhere.
@@ -91,5 +103,6 @@ class CacheAwareRouter(RequestRouter):
         """The requests placed on a dead replica will not complete: they no longer count."""
         super().on_replica_actor_died(replica_id)
         gone = replica_id.unique_id
+        self.prefixes.forget(gone)
         self.accepted = {rid: replica for rid, replica in self.accepted.items() if replica != gone}
         self.claims = {rid: claim for rid, claim in self.claims.items() if claim[0] != gone}

@@ -1,5 +1,6 @@
 """Rows of batch Q&A (``batch.answer``): a row's values, what is wrong with it, and each row's
-affinity key (``affinity.py``), computed where the row is routed."""
+key (``affinity.py``, or its prompt's ``prefix_index.PrefixRoute``), computed where the row is
+keyed; ``placement.Placement`` places rows by these keys."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 import pandas as pd
 
-from mmkv.distributed.affinity import image_affinity, prefix_affinity, shared_prefix_affinity
+from mmkv.distributed.affinity import image_affinity, shared_prefix_affinity
+from mmkv.distributed.prefix_index import RouteKey, prefix_route
 from vision import ImageError
 
 KEY = "affinity"
@@ -33,19 +35,21 @@ def row_error(prompt: Any, question: Any, image: Any, shared_prefix: Any = None)
 
 
 class AffinityKeys:
-    """Adds each row's affinity key, and ``error`` for a row whose image or shape is bad;
-    ``tokenizer`` keys a row that names no shared part by its first ``prefix_tokens`` tokens."""
+    """Adds each row's key, and ``error`` for a row whose image or shape is bad: its image's key,
+    else its ``shared_prefix``'s, else the ``PrefixRoute`` of its prompt's first ``prefix_tokens``
+    tokens (by ``tokenizer``)."""
 
     def __init__(self, tokenizer: Any, prefix_tokens: int) -> None:
         self.tokenizer, self.prefix_tokens = tokenizer, prefix_tokens
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        keys, errors = [], []
+        keys: list[RouteKey] = []
+        errors: list[str | None] = []
         for i in range(len(batch)):
             prompt, question, image, salt, shared = (
                 row_value(batch, c, i) for c in ("prompt", "question", "image", "cache_salt", "shared_prefix"))
             error = row_error(prompt, question, image, shared)
-            key = ""
+            key: RouteKey = ""
             if error is None and image is not None:
                 try:
                     key = image_affinity(image, salt)
@@ -54,8 +58,7 @@ class AffinityKeys:
             elif error is None and shared is not None:
                 key = shared_prefix_affinity(shared, salt)
             elif error is None:
-                ids = self.tokenizer.encode(prompt)
-                key = prefix_affinity(ids, self.prefix_tokens, salt)
+                key = prefix_route(self.tokenizer.encode(prompt), salt, self.prefix_tokens)
             keys.append(key)
             errors.append(error)
         return batch.assign(**{KEY: keys, "error": errors})

@@ -21,6 +21,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from mmkv import SamplingParams
+from mmkv.distributed.prefix_index import RouteKey
 from mmkv.distributed.router import CacheAwareRouter
 from mmkv.distributed.serve_front import ReplicaInfo, ReplicaSetFront
 from mmkv.distributed.stats_board import StatsBoard
@@ -57,12 +58,13 @@ class EngineReplica:
         return ReplicaInfo(self.front.engine.tokenizer, self.front.engine.max_model_len)
 
     async def generate(self, prompts: list, params: SamplingParams, cache_salt: str | None,
-                       stream: bool, strict_max_tokens: bool = False, affinity: str | None = None):
+                       stream: bool, strict_max_tokens: bool = False, affinity: RouteKey | None = None):
         """``AsyncEngine.generate``'s items; ``affinity`` is read by the router only."""
         async for item in self.front.generate(prompts, params, cache_salt, stream, strict_max_tokens):
             yield item
 
-    async def tokenize(self, prompt: Any, cache_salt: str | None, affinity: str | None = None) -> Tokenized:
+    async def tokenize(self, prompt: Any, cache_salt: str | None,
+                       affinity: RouteKey | None = None) -> Tokenized:
         """``AsyncEngine.tokenize``; ``affinity`` is read by the router only."""
         return await self.front.tokenize(prompt, cache_salt)
 

@@ -3,8 +3,9 @@
 The ingress runs the same FastAPI app as ``mmkv serve`` (``mmkv.server.app``) over this front
 instead of one ``AsyncEngine``. Each submission gets its affinity key here, where its images were
 read and its prompt can be tokenized (``affinity.py``: the first image's pixel key, else every
-chat message before the last user turn, else a hash of the prompt's first tokens), and goes to
-the replica that ``router.CacheAwareRouter`` picks, as one streaming call.
+chat message before the last user turn, else the ``PrefixRoute`` of the prompt's first
+``prefix_tokens`` tokens), and goes to the replica that ``router.CacheAwareRouter`` picks, as one
+streaming call.
 
 Guarantees: a submission that ends early (client gone, error) cancels its call, and the replica's
 ``AsyncEngine`` aborts its requests; a replica's refusal (``ValueError``) or failure reaches the
@@ -21,7 +22,8 @@ from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 
 from mmkv import RequestOutput, SamplingParams
-from mmkv.distributed.affinity import chat_affinity, image_affinity, prefix_affinity
+from mmkv.distributed.affinity import chat_affinity, image_affinity
+from mmkv.distributed.prefix_index import RouteKey, prefix_route
 from mmkv.preparer import longest_token, render_chat
 from mmkv.server.async_engine import Admission, ChatPrompt, Ticket, Tokenized
 
@@ -53,7 +55,7 @@ class ReplicaSetFront:
     async def open(self) -> None:
         info: ReplicaInfo = await self.handle.describe.remote()
         self.tokenizer, self.max_model_len = info.tokenizer, info.max_model_len
-        # the affinity key reads a prompt's first tokens: these many characters always hold them
+        # a route reads a prompt's first tokens: these many characters always hold them
         self.prefix_chars = self.prefix_tokens * longest_token(self.tokenizer)
 
     async def close(self) -> None:
@@ -77,10 +79,11 @@ class ReplicaSetFront:
         finally:
             call.cancel()
 
-    def affinity(self, prompt: Any, cache_salt: str | None) -> str | None:
-        """The prompt's affinity key; None when it cannot be computed here (the replica will
-        then refuse the prompt with the reason). Runs on a worker thread, off the event loop that
-        relays every replica's stream; text is tokenized only as far as the key reads it."""
+    def affinity(self, prompt: Any, cache_salt: str | None) -> RouteKey | None:
+        """The prompt's affinity key, else its route; None when neither can be computed here
+        (the replica will then refuse the prompt with the reason). Runs on a worker thread, off
+        the event loop that relays every replica's stream; text is tokenized only as far as the
+        route reads it."""
         try:
             if isinstance(prompt, ChatPrompt) and prompt.images:
                 return image_affinity(prompt.images[0], cache_salt)
@@ -93,7 +96,7 @@ class ReplicaSetFront:
                 ids = self.tokenizer.encode(prompt[:self.prefix_chars])
             else:
                 ids = prompt
-            return prefix_affinity(list(ids), self.prefix_tokens, cache_salt)
+            return prefix_route(list(ids), cache_salt, self.prefix_tokens)
         except ValueError:  # the replica refuses it, with the reason
             return None
 
