@@ -62,7 +62,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     scale.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica reserves")
     scale.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
     scale.add_argument("--affinity-prefix-tokens", type=int, default=256,
-                       help="text requests sharing this many first tokens go to one replica")
+                       help="how many first tokens of a text request the router reads: it goes to the replica "
+                            "holding the longest prefix of them when that covers at least half")
     scale.add_argument("--route-imbalance-threshold", type=int, default=8,
                        help="route to the shortest queue once the longest exceeds it by this many "
                             "requests ...")
