@@ -30,8 +30,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 from mmkv.sequence import SeqImage, Sequence
 from vision import VisionPipeline
 
@@ -51,13 +49,11 @@ class _Job:
 
 
 class EncoderQueue:
-    """One engine's image encodings, run one at a time on a worker thread (``threads`` intra-op
-    threads for its torch operations; None: torch's default)."""
+    """One engine's image encodings, run one at a time on a worker thread."""
 
-    def __init__(self, vision: VisionPipeline, shared: bool = True, threads: int | None = None) -> None:
+    def __init__(self, vision: VisionPipeline, shared: bool = True) -> None:
         self.vision = vision
         self.shared = shared
-        self.threads = threads
         self._executor: ThreadPoolExecutor | None = None  # started at the first encoding
         self._jobs: dict[tuple[int, int], _Job] = {}  # (uid, seq_id or -1 when shared) -> pending
         self._held: dict[int, set[int]] = {}  # seq_id -> uids held for it
@@ -108,10 +104,7 @@ class EncoderQueue:
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            threads = self.threads
-            self._executor = ThreadPoolExecutor(
-                1, thread_name_prefix="mmkv-encoder",
-                initializer=None if threads is None else lambda: torch.set_num_threads(threads))
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="mmkv-encoder")
         return self._executor
 
     def _collect(self) -> None:
