@@ -5,7 +5,7 @@ may admit next must have encoded (their in-prompt images that their cached prefi
 or their cross-attention images whose K/V the cache does not hold) on a worker thread, and at
 admission asks ``ready`` whether those are held for the sequence; while they are not, it stays
 waiting and the engine goes on stepping the other sequences. When no sequence runs there is
-nothing to overlap, and the scheduler waits for every encoding (``wait_all``) before admitting:
+nothing to overlap, and the scheduler waits for every encoding (``prefetch``) before admitting:
 a batch submitted to an idle engine is then admitted exactly as if the encoder ran inline, so
 its steps do not depend on the encoder's speed.
 
@@ -26,18 +26,17 @@ Invariants:
 
 from __future__ import annotations
 
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING
 
+from cache import KVCache
 from mmkv.sequence import SeqImage, Sequence
 from vision import VisionPipeline
 
-
-def prompt_images_to_encode(seq: Sequence, cached: int) -> list[SeqImage]:
-    """The in-prompt images of ``seq`` with tokens after its first ``cached`` (those its prefill
-    computes, so reads the embeddings of)."""
-    return [i for i in seq.images if i.in_sequence and i.start + i.placement.prompt_tokens > cached]
+if TYPE_CHECKING:
+    from mmkv.image_kv import CrossAttentionKV
 
 
 @dataclass(slots=True)
@@ -49,33 +48,50 @@ class _Job:
 
 
 class EncoderQueue:
-    """One engine's image encodings, run one at a time on a worker thread."""
+    """One engine's image encodings, run one at a time on a worker thread. ``shared``: sequences
+    share encodings (prefix caching on). Without ``vision`` (a text model) no sequence has an
+    image, and every call returns at once."""
 
-    def __init__(self, vision: VisionPipeline, shared: bool = True) -> None:
-        self.vision = vision
+    def __init__(self, vision: VisionPipeline | None, kv: KVCache, image_kv: CrossAttentionKV | None,
+                 shared: bool = True) -> None:
+        self.vision, self.kv, self.image_kv = vision, kv, image_kv
         self.shared = shared
         self._executor: ThreadPoolExecutor | None = None  # started at the first encoding
         self._jobs: dict[tuple[int, int], _Job] = {}  # (uid, seq_id or -1 when shared) -> pending
         self._held: dict[int, set[int]] = {}  # seq_id -> uids held for it
         self._failed: dict[int, BaseException] = {}  # seq_id -> why its image's encoding failed
 
-    def ready(self, seq: Sequence, images: list[SeqImage]) -> bool:
-        """Whether the embeddings of every one of ``images`` (of ``seq``) are held for it; starts
-        encoding those neither held, cached nor being encoded. Raises the encoder's exception when
-        encoding one of them failed; ``seq`` then holds nothing here."""
+    def to_encode(self, seq: Sequence, cached: int | None = None) -> list[SeqImage]:
+        """The images ``seq`` must have encoded to be admitted now: its cross-attention images
+        whose K/V the cache lacks, or its in-prompt images with tokens after its first ``cached``
+        (None: after the prefix the cache holds now), which its prefill reads."""
+        if self.image_kv is not None:
+            return self.image_kv.needs_encoding(seq)
+        if cached is None:
+            n = len(seq.token_ids) - 1
+            cached = min(self.kv.tree.cached_length(seq.keys(n), seq.namespace), n) if self.shared else 0
+        return [i for i in seq.images if i.in_sequence and i.start + i.placement.prompt_tokens > cached]
+
+    def ready(self, seq: Sequence, cached: int | None = None) -> bool:
+        """Whether the embeddings of what ``seq`` must have encoded (``to_encode``) are held for
+        it; starts encoding those neither held, cached nor being encoded. Raises the encoder's
+        exception when encoding one of them failed; ``seq`` then holds nothing here."""
         self._collect()
         if seq.seq_id in self._failed:
             err = self._failed.pop(seq.seq_id)
             self.release(seq)
             raise err
-        return self._start(seq, images)
+        return self._start(seq, self.to_encode(seq, cached))
 
-    def prefetch(self, seqs: list[Sequence], images_of: Callable[[Sequence], list[SeqImage]]) -> None:
-        """Start encoding what each of ``seqs`` must have encoded (``images_of``) and holds not."""
+    def prefetch(self, seqs: list[Sequence], wait: bool) -> None:
+        """Start encoding what each of ``seqs`` must have encoded and holds not; with ``wait``
+        (no sequence runs), return once every encoding started so far has finished."""
         self._collect()
         for seq in seqs:
             if seq.images and seq.seq_id not in self._failed:
-                self._start(seq, images_of(seq))
+                self._start(seq, self.to_encode(seq))
+        if wait:
+            wait_for([job.future for job in self._jobs.values()])
 
     def _start(self, seq: Sequence, images: list[SeqImage]) -> bool:
         held = self._held.setdefault(seq.seq_id, set())
@@ -123,17 +139,11 @@ class EncoderQueue:
                 self.vision.hold(job.uid, value)
                 self._held.setdefault(seq.seq_id, set()).add(job.uid)
 
-    def pending(self) -> bool:
-        """Whether an encoding is running or queued."""
+    def wait(self, timeout: float) -> bool:
+        """Block until an encoding finishes or ``timeout`` seconds pass; False at once when none
+        is running or queued."""
+        wait_for([job.future for job in self._jobs.values()], timeout, FIRST_COMPLETED)
         return bool(self._jobs)
-
-    def wait(self, timeout: float) -> None:
-        """Block until an encoding finishes, or ``timeout`` seconds pass."""
-        wait([job.future for job in self._jobs.values()], timeout, FIRST_COMPLETED)
-
-    def wait_all(self) -> None:
-        """Block until every encoding started so far has finished."""
-        wait([job.future for job in self._jobs.values()])
 
     def release(self, seq: Sequence) -> None:
         """``seq`` ended: release what is held for it and stop waiting on its jobs."""

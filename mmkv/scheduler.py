@@ -57,9 +57,9 @@ import numpy as np
 import xxhash
 
 from cache import BlockTable, KVCache, OutOfBlocksError
-from mmkv.encoder_queue import EncoderQueue, prompt_images_to_encode
+from mmkv.encoder_queue import EncoderQueue
 from mmkv.preemption import POLICIES, CostWeights, rank_victims
-from mmkv.sequence import SeqImage, Sequence, Status
+from mmkv.sequence import Sequence, Status
 
 if TYPE_CHECKING:
     from vision import VisionPipeline
@@ -174,8 +174,7 @@ class Scheduler:
                  draft_lengths: Callable[[list[Sequence], bool], list[int]] | None = None,
                  clock: Callable[[], float] | None = None, vision: VisionPipeline | None = None) -> None:
         self.kv = kv
-        self.encodes = (EncoderQueue(vision, shared=config.enable_prefix_caching)
-                        if vision is not None else None)
+        self.encodes = EncoderQueue(vision, kv, image_kv, config.enable_prefix_caching)
         self.clock = clock or time.monotonic  # seconds, for how long a request has waited
         self.config = config
         self.rebuild_flops = rebuild_flops
@@ -240,13 +239,12 @@ class Scheduler:
         if self.preemptions.recompute + self.preemptions.swap == preemptions_before:
             budget = self._resume_swapped(batch, budget)
             if not self.swapped:
-                self._start_encodings()
+                room = self.config.max_num_seqs - len(self.running)
+                self.encodes.prefetch(self.waiting[:room], wait=not self.running)
                 self._admit_waiting(batch, budget)
         failed, self._failures = self._failures, []
-        if not batch.seqs and not failed and self.has_work():
-            if self.encodes is None or not self.encodes.pending():
-                raise RuntimeError("the scheduler could not schedule any work")
-            self.encodes.wait(ENCODER_WAIT)
+        if not batch.seqs and not failed and self.has_work() and not self.encodes.wait(ENCODER_WAIT):
+            raise RuntimeError("the scheduler could not schedule any work")
         batch = self._plan_drafts(batch._replace(failed=failed))
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.kv.pool.num_in_use)
         return batch
@@ -344,7 +342,7 @@ class Scheduler:
                 return
             table = self._acquire(seq)
             cached = table.num_tokens
-            if not self._prompt_images_ready(seq, cached):
+            if self.image_kv is None and not self._images_ready(seq, cached):
                 self.kv.free(table)
                 self._release_images(seq)
                 continue
@@ -414,46 +412,21 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def _acquire_images(self, seq: Sequence) -> bool | None:
-        """Whether the images' K/V are held now; None when their encoder outputs are not ready
-        yet, or when encoding or computing them raised (the sequence then left its queue for the
-        batch's ``failed``)."""
-        if self.image_kv is None or not seq.images:
-            return True
+        """Whether the images' K/V are held now; None when their encoder outputs are not ready, or
+        when encoding or computing them raised (it then left its queue for the batch's ``failed``)."""
         try:
-            if self.encodes is not None and not self.encodes.ready(seq, self.image_kv.needs_encoding(seq)):
-                return None
-            return self.image_kv.acquire(seq)
+            if self.image_kv is None or not seq.images:
+                return True
+            return self.image_kv.acquire(seq) if self.encodes.ready(seq) else None
         except Exception as err:
             self._fail(seq, err)
             return None
 
-    def _start_encodings(self) -> None:
-        """Start encoding what the waiting sequences that may be admitted now need; with none
-        running, wait for those encodings."""
-        if self.encodes is None or not self.waiting:
-            return
-        room = self.config.max_num_seqs - len(self.running)
-        self.encodes.prefetch(self.waiting[:room], self._images_to_encode)
-        if not self.running:
-            self.encodes.wait_all()
-
-    def _images_to_encode(self, seq: Sequence) -> list[SeqImage]:
-        """The images ``seq`` would encode if it were admitted now (by the cache as it is)."""
-        if self.image_kv is not None:
-            return self.image_kv.needs_encoding(seq)
-        n = len(seq.token_ids) - 1
-        cached = (self.kv.tree.cached_length(seq.keys(n), seq.namespace)
-                  if self.config.enable_prefix_caching else 0)
-        return prompt_images_to_encode(seq, min(cached, n))
-
-    def _prompt_images_ready(self, seq: Sequence, cached: int) -> bool:
-        """Whether the encoder outputs of the in-prompt images that ``seq``'s prefill from token
-        ``cached`` reads are held for it; False too when encoding one raised (the sequence then
-        left its queue for the batch's ``failed``)."""
-        if self.encodes is None:
-            return True
+    def _images_ready(self, seq: Sequence, cached: int | None = None) -> bool:
+        """Whether the encoder outputs ``seq`` needs are held for it (``EncoderQueue.ready``);
+        False too when encoding one raised (it then left its queue for the batch's ``failed``)."""
         try:
-            return self.encodes.ready(seq, prompt_images_to_encode(seq, cached))
+            return self.encodes.ready(seq, cached)
         except Exception as err:
             self._fail(seq, err)
             return False
@@ -468,8 +441,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self._release_images(seq)
-        if self.encodes is not None:
-            self.encodes.release(seq)
+        self.encodes.release(seq)
         if seq.table is not None:
             self.kv.free(seq.table)
             seq.table = None
@@ -498,8 +470,7 @@ class Scheduler:
         for seq in self.swapped:
             assert seq.table is None and seq.swapped is not None, \
                 f"swapped sequence {seq.seq_id} holds device blocks"
-        if self.encodes is not None:
-            self.encodes.check_integrity({s.seq_id for s in (*self.waiting, *self.running, *self.swapped)})
+        self.encodes.check_integrity({s.seq_id for s in (*self.waiting, *self.running, *self.swapped)})
 
     # -- preemption -----------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
