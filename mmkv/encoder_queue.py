@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cache import KVCache
@@ -44,7 +44,7 @@ class _Job:
     uid: int
     future: Future
     owner: Sequence  # counts the encoder call
-    waiters: list[Sequence] = field(default_factory=list)
+    waiters: list[Sequence]
 
 
 class EncoderQueue:
@@ -76,6 +76,8 @@ class EncoderQueue:
         """Whether the embeddings of what ``seq`` must have encoded (``to_encode``) are held for
         it; starts encoding those neither held, cached nor being encoded. Raises the encoder's
         exception when encoding one of them failed; ``seq`` then holds nothing here."""
+        if not seq.images:
+            return True
         self._collect()
         if seq.seq_id in self._failed:
             err = self._failed.pop(seq.seq_id)
@@ -142,8 +144,11 @@ class EncoderQueue:
     def wait(self, timeout: float) -> bool:
         """Block until an encoding finishes or ``timeout`` seconds pass; False at once when none
         is running or queued."""
+        self._collect()
+        if not self._jobs:
+            return False
         wait_for([job.future for job in self._jobs.values()], timeout, FIRST_COMPLETED)
-        return bool(self._jobs)
+        return True
 
     def release(self, seq: Sequence) -> None:
         """``seq`` ended: release what is held for it and stop waiting on its jobs."""
