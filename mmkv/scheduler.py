@@ -422,9 +422,10 @@ class Scheduler:
             self._fail(seq, err)
             return None
 
-    def _images_ready(self, seq: Sequence, cached: int | None = None) -> bool:
-        """Whether the encoder outputs ``seq`` needs are held for it (``EncoderQueue.ready``);
-        False too when encoding one raised (it then left its queue for the batch's ``failed``)."""
+    def _images_ready(self, seq: Sequence, cached: int) -> bool:
+        """Whether the encoder outputs the prefill of ``seq`` from token ``cached`` reads are held
+        for it; False too when encoding one raised (it then left its queue for the batch's
+        ``failed``)."""
         try:
             return self.encodes.ready(seq, cached)
         except Exception as err:
