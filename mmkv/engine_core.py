@@ -190,9 +190,13 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one step: schedule → run → postprocess. Returns the outputs of requests that
-        progressed, and of those that failed in it (finished, ``error`` set, blocks released)."""
+        progressed, and of those that failed in it (finished, ``error`` set, blocks released);
+        none when the only work left waits for images being encoded (the step waited a little
+        for them instead)."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        if not (batch.seqs or batch.drafting or batch.failed):
+            return []  # only images encoding: nothing to compute yet
         decoding = batch.only_decodes()
         result = self.runner.run(batch)
         outputs = self.postprocessor.process(batch, result)

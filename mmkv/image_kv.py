@@ -40,17 +40,33 @@ class CrossAttentionKV:
         own = b"" if self.shared else b"|seq:%d" % seq.seq_id
         return b"xattn|" + seq.namespace + own
 
+    def needs_encoding(self, seq: Sequence) -> list[SeqImage]:
+        """The images of ``seq`` whose K/V ``acquire`` would compute now (some of their tokens'
+        blocks are not in the tree), so whose encoder output it would read."""
+        return [image for image in seq.images
+                if self.kv.tree.cached_length(self._keys(image), self._namespace(seq))
+                < image.placement.xattn_tokens]
+
     def acquire(self, seq: Sequence) -> bool:
         """Reference (computing where missing) the K/V of every image of ``seq``; False, holding
-        nothing, when the pool cannot take them now."""
-        tables: list[BlockTable] = []
+        nothing, when the pool cannot take them now. Every image's cached blocks are referenced
+        before any is computed (so computing one evicts none of the others), and an image that
+        appears twice shares its first copy's blocks: exactly the images ``needs_encoding`` named
+        read the encoder output."""
+        namespace, bs = self._namespace(seq), self.kv.block_size
+        tables = [self.kv.acquire_prefix(self._keys(image), namespace) for image in seq.images]
+        first: dict[int, int] = {}  # uid -> where it first appears in seq.images
         hits = 0  # whole blocks taken from the tree
         try:
-            for image in seq.images:
-                keys = self._keys(image)
-                table = self.kv.acquire_prefix(keys, self._namespace(seq))
-                tables.append(table)
-                hits += table.num_tokens // self.kv.block_size
+            for i, image in enumerate(seq.images):
+                j = first.setdefault(image.image.uid, i)
+                if j != i:
+                    self.kv.free(tables[i])
+                    tables[i] = self.kv.fork(tables[j])
+                    hits += len(tables[i].blocks)
+                    continue
+                table, keys = tables[i], self._keys(image)
+                hits += table.num_tokens // bs
                 missing = keys.shape[0] - table.num_tokens
                 if missing and self.kv.blocks_needed(table, missing) > self.kv.num_available():
                     self._free(tables)
@@ -58,13 +74,11 @@ class CrossAttentionKV:
                 if missing:
                     start = table.num_tokens
                     self.kv.append_slots(table, missing)
-                    calls = self.model.vision.encoder.calls
                     self._write(image, table, start)
-                    seq.reuse.images_encoded += self.model.vision.encoder.calls - calls
-                    seq.reuse.xattn_blocks_computed += len(table.blocks) - start // self.kv.block_size
+                    seq.reuse.xattn_blocks_computed += len(table.blocks) - start // bs
                     cost = self.model.image_rebuild_flops(image.placement) / len(table.blocks)
-                    self.kv.cache_prefix(table, keys, self._namespace(seq), cost)
-        except BaseException:  # the encoder raised: hold nothing
+                    self.kv.cache_prefix(table, keys, namespace, cost)
+        except BaseException:  # computing the K/V raised: hold nothing
             self._free(tables)
             raise
         seq.image_tables = tables

@@ -14,7 +14,13 @@ Order of work in a step, under a budget of ``max_num_batched_tokens``:
 2. Swapped sequences come back when their blocks fit, unless this step preempted.
 3. Waiting sequences are admitted in order while their first chunk fits. A waiting sequence whose
    prompt shares at least a block more with a sequence still prefilling than the cache holds yet
-   waits one step, so prompts submitted together compute their shared prefix once.
+   waits one step, so prompts submitted together compute their shared prefix once. One whose
+   images must be encoded first stays waiting while a worker encodes them
+   (``mmkv.encoder_queue``), and the sequences after it are admitted meanwhile. Encoding starts
+   for the waiting sequences that may be admitted next, before admission; when none runs, the
+   step first waits for those encodings (so an idle engine admits as if it encoded inline). A
+   step left with nothing to run but encodings waits for one (at most ``ENCODER_WAIT`` seconds)
+   and is empty.
 
 4. Decoding sequences that may speculate (one sequence a request, no log-probabilities) get the
    draft length the draft-length controller chose for this step and that many more slots
@@ -51,6 +57,7 @@ import numpy as np
 import xxhash
 
 from cache import BlockTable, KVCache, OutOfBlocksError
+from mmkv.encoder_queue import EncoderQueue
 from mmkv.preemption import POLICIES, CostWeights, rank_victims
 from mmkv.sequence import Sequence, Status
 
@@ -64,6 +71,7 @@ DEVICE_SPEED = {  # (device_flops, host_bandwidth_bytes_per_s) for the preemptio
     "cuda": (2e14, 2e10),
 }
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+ENCODER_WAIT = 0.05  # seconds a step with nothing else to run waits for an image's encoding
 
 
 @dataclass(slots=True)
@@ -166,7 +174,7 @@ class Scheduler:
                  draft_lengths: Callable[[list[Sequence], bool], list[int]] | None = None,
                  clock: Callable[[], float] | None = None, vision: VisionPipeline | None = None) -> None:
         self.kv = kv
-        self.vision = vision  # encodes in-prompt images at admission (``_count_reuse``)
+        self.encodes = EncoderQueue(vision, kv, image_kv, config.enable_prefix_caching)
         self.clock = clock or time.monotonic  # seconds, for how long a request has waited
         self.config = config
         self.rebuild_flops = rebuild_flops
@@ -231,9 +239,11 @@ class Scheduler:
         if self.preemptions.recompute + self.preemptions.swap == preemptions_before:
             budget = self._resume_swapped(batch, budget)
             if not self.swapped:
+                room = self.config.max_num_seqs - len(self.running)
+                self.encodes.prefetch(self.waiting[:room], wait=not self.running)
                 self._admit_waiting(batch, budget)
         failed, self._failures = self._failures, []
-        if not batch.seqs and not failed and self.has_work():
+        if not batch.seqs and not failed and self.has_work() and not self.encodes.wait(ENCODER_WAIT):
             raise RuntimeError("the scheduler could not schedule any work")
         batch = self._plan_drafts(batch._replace(failed=failed))
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.kv.pool.num_in_use)
@@ -299,8 +309,8 @@ class Scheduler:
             if need > self.kv.num_available():
                 break
             acquired = self._acquire_images(seq)
-            if acquired is None:
-                continue
+            if acquired is None and seq not in self.swapped:
+                continue  # it failed and left the queue
             if not acquired:
                 break
             if need > self.kv.num_available():  # the images took the room
@@ -332,6 +342,10 @@ class Scheduler:
                 return
             table = self._acquire(seq)
             cached = table.num_tokens
+            if self.image_kv is None and not self._images_ready(seq, cached):
+                self.kv.free(table)
+                self._release_images(seq)
+                continue
             n = min(len(seq.token_ids) - cached, budget)
             try:
                 if self.kv.blocks_needed(table, n) > self.kv.num_available():
@@ -355,20 +369,13 @@ class Scheduler:
             budget -= n
 
     def _count_reuse(self, seq: Sequence, cached: int) -> None:
-        """At first admission: what the prompt took from the caches (``Sequence.reuse``). An image
-        whose tokens sit in the prompt (LLaVA, Qwen-VL) and are not all cached is encoded now,
-        so whether this request ran the encoder is known exactly, as it is for cross-attention
-        images, whose K/V ``CrossAttentionKV.acquire`` computed or took."""
+        """At first admission: what the prompt took from the caches (``Sequence.reuse``; the
+        encoder queue counted ``images_encoded`` before admitting it)."""
         reuse = seq.reuse
         reuse.images = len(seq.images)
         reuse.prompt_tokens_computed = len(seq.token_ids) - cached
         held = sum(len(t.blocks) for t in seq.image_tables)
         reuse.xattn_blocks_reused = max(0, held - reuse.xattn_blocks_computed)
-        for image in seq.images:
-            if self.vision is not None and image.in_sequence and image.start + image.placement.prompt_tokens > cached:
-                calls = self.vision.encoder.calls
-                self.vision.embeddings(image.image)
-                reuse.images_encoded += self.vision.encoder.calls - calls
 
     def _acquire(self, seq: Sequence) -> BlockTable:
         if not self.config.enable_prefix_caching:
@@ -405,14 +412,29 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def _acquire_images(self, seq: Sequence) -> bool | None:
-        """Whether the images' K/V are held now; None when computing them raised (the sequence
-        then left its queue for the batch's ``failed``)."""
+        """Whether the images' K/V are held now; None when their encoder outputs are not ready, or
+        when encoding or computing them raised (it then left its queue for the batch's ``failed``)."""
         try:
-            return self.image_kv is None or not seq.images or self.image_kv.acquire(seq)
+            if self.image_kv is None or not seq.images:
+                return True
+            return self.image_kv.acquire(seq) if self.encodes.ready(seq) else None
         except Exception as err:
-            self._release(seq)
-            self._failures.append((seq, err))
+            self._fail(seq, err)
             return None
+
+    def _images_ready(self, seq: Sequence, cached: int) -> bool:
+        """Whether the encoder outputs the prefill of ``seq`` from token ``cached`` reads are held
+        for it; False too when encoding one raised (it then left its queue for the batch's
+        ``failed``)."""
+        try:
+            return self.encodes.ready(seq, cached)
+        except Exception as err:
+            self._fail(seq, err)
+            return False
+
+    def _fail(self, seq: Sequence, err: Exception) -> None:
+        self._release(seq)
+        self._failures.append((seq, err))
 
     def _release_images(self, seq: Sequence) -> None:
         if self.image_kv is not None:
@@ -420,6 +442,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self._release_images(seq)
+        self.encodes.release(seq)
         if seq.table is not None:
             self.kv.free(seq.table)
             seq.table = None
@@ -448,6 +471,7 @@ class Scheduler:
         for seq in self.swapped:
             assert seq.table is None and seq.swapped is not None, \
                 f"swapped sequence {seq.seq_id} holds device blocks"
+        self.encodes.check_integrity({s.seq_id for s in (*self.waiting, *self.running, *self.swapped)})
 
     # -- preemption -----------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:

@@ -23,8 +23,10 @@ class PreparedImage:
 
 
 class VisionPipeline:
-    """Guarantees: the encoder runs at most once per distinct image while its embedding is cached;
-    the same picture (whatever its file format) gets the same uid, a different one never does."""
+    """Guarantees: the encoder runs at most once per distinct image while its embedding is cached
+    or held; the same picture (whatever its file format) gets the same uid, a different one never
+    does. Embeddings ``hold`` keeps are what ``embeddings`` returns for their uid, whatever the
+    cache drops, until each hold is released."""
 
     def __init__(self, encoder: VisionEncoder, registry: ImageRegistry | None = None,
                  cache: EmbeddingCache | None = None, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
@@ -32,6 +34,7 @@ class VisionPipeline:
         self.registry = registry if registry is not None else ImageRegistry()
         self.cache = cache if cache is not None else EmbeddingCache()
         self.max_pixels = max_pixels
+        self._held: dict[int, tuple[torch.Tensor, int]] = {}  # uid -> (embeddings, holds)
 
     def prepare(self, items: Sequence[ImageInput], errors: Literal["raise", "return"] = "raise",
                 label: str = "image") -> list[PreparedImage | ImageError]:
@@ -54,12 +57,38 @@ class VisionPipeline:
         return out
 
     def embeddings(self, image: PreparedImage) -> torch.Tensor:
-        """The encoder output for ``image``, from the cache when possible."""
+        """The encoder output for ``image``: held, else cached, else encoded now."""
+        held = self._held.get(image.uid)
+        if held is not None:
+            return held[0]
         cached = self.cache.get(image.uid)
         if cached is None:
             cached = self.encoder.encode(image.inputs)
             self.cache.put(image.uid, cached)
         return cached
+
+    def hold(self, uid: int, value: torch.Tensor) -> None:
+        """Keep ``value`` as ``uid``'s embeddings until ``release(uid)`` is called once more than
+        before this call (a uid already held keeps its first value, which the encoder made from
+        the same pixels)."""
+        held, count = self._held.get(uid, (value, 0))
+        self._held[uid] = (held, count + 1)
+
+    def held(self, uid: int) -> torch.Tensor | None:
+        entry = self._held.get(uid)
+        return None if entry is None else entry[0]
+
+    def release(self, uid: int) -> None:
+        held, count = self._held[uid]
+        if count == 1:
+            del self._held[uid]
+        else:
+            self._held[uid] = (held, count - 1)
+
+    @property
+    def num_held(self) -> int:
+        """Distinct uids whose embeddings are held."""
+        return len(self._held)
 
     def stats(self) -> dict[str, int]:
         return {"encoder_calls": self.encoder.calls, "embedding_cache_hits": self.cache.hits,
