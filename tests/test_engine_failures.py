@@ -129,8 +129,8 @@ def test_abort_of_a_swapped_request(model_dirs, hf_oracle):
 
 
 def test_an_image_whose_encoder_fails_fails_alone(vlm_dirs):
-    """Cross-attention K/V are computed while the scheduler admits a request: an encoder that
-    raises there fails that request, and the others (same step) finish with their own answers."""
+    """A request's images are encoded on the encoder worker before it is admitted: an encoder that
+    raises there fails that request, and the others (same batch) finish with their own answers."""
     from mmkv import Engine
 
     eng = Engine(vlm_dirs["mmkv_vlm"], kv_cache_memory="8MiB", host_kv_memory="1MiB",
