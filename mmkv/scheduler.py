@@ -160,6 +160,33 @@ def _digest(keys: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(keys))
 
 
+def plan_drafts(batch: ScheduledBatch, kv: KVCache,
+                draft_lengths: Callable[[list[Sequence], bool], list[int]]) -> ScheduledBatch:
+    """Move the decoding sequences of ``batch`` that may speculate to the round with the draft
+    lengths ``draft_lengths`` chose, each with its drafts' slots reserved (a draft the pool has no
+    room for becomes 0); when it chose 0 for all, they decode in the plain pass, after the others."""
+    seqs, q_lens, candidates = [], [], []
+    for seq, q in zip(batch.seqs, batch.q_lens):
+        if q == 1 and seq.num_pending == 1 and seq.params.n == 1 and seq.params.logprobs is None:
+            candidates.append(seq)
+        else:
+            seqs.append(seq)
+            q_lens.append(q)
+    if not candidates:
+        return batch
+    lengths = draft_lengths(candidates, bool(seqs))
+    if not any(lengths):
+        return ScheduledBatch(seqs + candidates, q_lens + [1] * len(candidates), [], [], batch.failed)
+    reserved = []
+    for seq, gamma in zip(candidates, lengths):
+        if gamma and kv.blocks_needed(seq.table, gamma) <= kv.num_available():
+            kv.append_slots(seq.table, gamma)
+        else:
+            gamma = 0
+        reserved.append(gamma)
+    return ScheduledBatch(seqs, q_lens, candidates, reserved, batch.failed)
+
+
 class Scheduler:
     """Decides each step's batch and keeps sequences' block tables in step with the cache.
 
@@ -245,36 +272,11 @@ class Scheduler:
         failed, self._failures = self._failures, []
         if not batch.seqs and not failed and self.has_work() and not self.encodes.wait(ENCODER_WAIT):
             raise RuntimeError("the scheduler could not schedule any work")
-        batch = self._plan_drafts(batch._replace(failed=failed))
+        batch = batch._replace(failed=failed)
+        if self.draft_lengths is not None:
+            batch = plan_drafts(batch, self.kv, self.draft_lengths)
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.kv.pool.num_in_use)
         return batch
-
-    def _plan_drafts(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """Move the decoding sequences that may speculate to the round with the draft lengths the
-        controller chose, each with its drafts' slots reserved (a draft the pool has no room for
-        becomes 0); when it chose 0 for all, they decode in the plain pass, after the others."""
-        if self.draft_lengths is None:
-            return batch
-        seqs, q_lens, candidates = [], [], []
-        for seq, q in zip(batch.seqs, batch.q_lens):
-            if q == 1 and seq.num_pending == 1 and seq.params.n == 1 and seq.params.logprobs is None:
-                candidates.append(seq)
-            else:
-                seqs.append(seq)
-                q_lens.append(q)
-        if not candidates:
-            return batch
-        lengths = self.draft_lengths(candidates, bool(seqs))
-        if not any(lengths):
-            return ScheduledBatch(seqs + candidates, q_lens + [1] * len(candidates), [], [], batch.failed)
-        reserved = []
-        for seq, gamma in zip(candidates, lengths):
-            if gamma and self.kv.blocks_needed(seq.table, gamma) <= self.kv.num_available():
-                self.kv.append_slots(seq.table, gamma)
-            else:
-                gamma = 0
-            reserved.append(gamma)
-        return ScheduledBatch(seqs, q_lens, candidates, reserved, batch.failed)
 
     def _reserve_preempting(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Reserve ``n`` slots for ``seq``, preempting running sequences in the policy's order as
