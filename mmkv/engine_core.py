@@ -33,6 +33,7 @@ from mmkv.postprocess import Postprocessor
 from mmkv.preemption import CostWeights
 from mmkv.preparer import PreparedRequest, Prompt, RequestPreparer
 from mmkv.request_table import RequestTable
+from mmkv.restore_speeds import measured_restore_speeds
 from mmkv.runner import AttentionPlanning, ModelRunner
 from mmkv.sampling_params import SamplingParams
 from mmkv.scheduler import Scheduler, SchedulerConfig
@@ -109,7 +110,8 @@ class EngineCore:
         speculator = self.speculator
         self.requests = RequestTable()
         self.scheduler = Scheduler(
-            self.kv, self.scheduler_config, self.model.text_rebuild_flops, self.model.device.type,
+            self.kv, self.scheduler_config, self.model.text_rebuild_flops,
+            measured_restore_speeds(self.runner, self.kv),
             self.image_kv,
             (lambda seqs, prompts: speculator.plan(seqs, self.max_model_len, prompts))
             if speculator else None,

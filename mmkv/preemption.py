@@ -8,12 +8,13 @@ Priority comes first: a sequence is never preempted while one of a lower priorit
 
       cost = restore + wait * waited + progress * generated + repeat * preempted
 
-  ``restore`` (s): what bringing it back will take, the cheaper of recomputing its private tokens
-  (``rebuild_flops`` / the device's FLOP/s) and swapping its private blocks out and back in
-  (a fixed latency + 2 x their bytes / the host bandwidth; only while the host tier has room).
-  A block is private when no other sequence references it: a shared prefix costs nothing to
-  drop. A private block the radix tree holds counts too: a preemption happens only when no
-  evictable block is left, so the blocks it frees are the first to be evicted.
+  ``restore`` (s): what bringing it back will take (``restore_estimate``), the cheaper of
+  recomputing its private tokens (their ``rebuild_flops`` / the measured FLOP/s) and swapping its
+  private blocks out and back in (the measured latency + seconds per block x their number; only
+  while the host tier has room), with this machine's speeds (``mmkv.restore_speeds``). A block
+  is private when no other sequence references it: a shared prefix costs nothing to drop. A
+  private block the radix tree holds counts too: a preemption happens only when no evictable
+  block is left, so the blocks it frees are the first to be evicted.
   ``waited`` (s): since the request arrived; ``generated`` (tokens): its output so far;
   ``preempted``: how often it has been preempted already. The weights are ``CostWeights``:
   ``wait`` (s of cost per s waited), ``progress`` (s per generated token), ``repeat`` (s per
@@ -27,9 +28,11 @@ sequence preempted ``k`` times is chosen again only when no candidate costs less
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 if TYPE_CHECKING:
+    from cache import KVCache
+    from mmkv.restore_speeds import RestoreSpeeds
     from mmkv.sequence import Sequence
 
 POLICIES = ("cost", "newest")
@@ -63,3 +66,28 @@ def rank_victims(candidates: list[Sequence], policy: str, weights: CostWeights,
         return sorted(candidates, key=lambda s: (-s.params.priority, -s.arrival))
     costs = {s.seq_id: preemption_cost(s, restore(s), now, weights) for s in candidates}
     return sorted(candidates, key=lambda s: (-s.params.priority, costs[s.seq_id], -s.arrival))
+
+
+class Restore(NamedTuple):
+    """How a sequence would be preempted (``"swap"`` or ``"recompute"``) and the estimated
+    seconds of bringing it back that way."""
+
+    how: str
+    seconds: float
+
+
+def restore_estimate(seq: Sequence, kv: KVCache, mode: str, rebuild_flops: Callable[[int, int], float],
+                     speeds: RestoreSpeeds) -> Restore:
+    """``seq``'s restore under preemption ``mode`` (``"auto"`` takes the cheaper of the two;
+    without room in the host tier, or under ``"recompute"``, it is recomputed). Only its private
+    blocks count (the module docstring)."""
+    moved = sum(kv.pool.refcount[b] == 1 for b in seq.table.blocks)
+    bs = kv.block_size
+    recompute = rebuild_flops((len(seq.table.blocks) - moved) * bs, moved * bs) / speeds.flops
+    host = kv.host_pool
+    if host is None or host.num_free < moved or mode == "recompute":
+        return Restore("recompute", recompute)
+    swap = speeds.swap_latency + moved * speeds.swap_block_seconds
+    if mode == "swap" or swap < recompute:
+        return Restore("swap", swap)
+    return Restore("recompute", recompute)

@@ -27,17 +27,11 @@ Order of work in a step, under a budget of ``max_num_batched_tokens``:
    reserved, while the pool has them; when it chose 0 for all, they decode plainly.
 
 Preemption either swaps the victim's private blocks to the host tier or drops them to recompute
-later. ``preemption="auto"`` picks per victim the cheaper by this estimate (its restore cost, in
-seconds, which the ``"cost"`` policy also ranks by)::
-
-    swap      = SWAP_LATENCY + 2 * bytes_to_move / host_bandwidth      (out now, in later)
-    recompute = rebuild_flops(tokens_to_recompute) / device_flops
-
-where the blocks to move (and the tokens to recompute) are the victim's blocks that no other
-sequence references; shared blocks stay where they are either way. Without room in the host tier
-the victim is recomputed. ``rebuild_flops(start, count)`` is the model's cost of recomputing
-``count`` tokens from position ``start``; it is also each cached block's cost for the cost-based
-eviction policy.
+later. ``preemption="auto"`` picks per victim the cheaper by its restore estimate
+(``mmkv.preemption.restore_estimate``, priced with this machine's measured ``RestoreSpeeds``),
+which the ``"cost"`` policy also ranks by. ``rebuild_flops(start, count)`` is the model's cost
+of recomputing ``count`` tokens from position ``start``; it is also each cached block's cost for
+the cost-based eviction policy.
 
 Guarantees: a scheduled sequence has its slots reserved (its drafts' too); every step that has
 work schedules some (a request that fits the pool alone fits once the others are preempted). Under
@@ -58,18 +52,14 @@ import xxhash
 
 from cache import BlockTable, KVCache, OutOfBlocksError
 from mmkv.encoder_queue import EncoderQueue
-from mmkv.preemption import POLICIES, CostWeights, rank_victims
+from mmkv.preemption import POLICIES, CostWeights, Restore, rank_victims, restore_estimate
 from mmkv.sequence import Sequence, Status
 
 if TYPE_CHECKING:
     from vision import VisionPipeline
     from mmkv.image_kv import CrossAttentionKV
+    from mmkv.restore_speeds import RestoreSpeeds
 
-SWAP_LATENCY = 1e-4  # seconds of fixed cost per swap (allocation, launch, synchronisation)
-DEVICE_SPEED = {  # (device_flops, host_bandwidth_bytes_per_s) for the preemption estimate
-    "cpu": (1e11, 5e9),
-    "cuda": (2e14, 2e10),
-}
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 ENCODER_WAIT = 0.05  # seconds a step with nothing else to run waits for an image's encoding
 
@@ -196,7 +186,7 @@ class Scheduler:
     many tokens each drafts this step."""
 
     def __init__(self, kv: KVCache, config: SchedulerConfig,
-                 rebuild_flops: Callable[[int, int], float], device_type: str,
+                 rebuild_flops: Callable[[int, int], float], speeds: RestoreSpeeds,
                  image_kv: CrossAttentionKV | None = None,
                  draft_lengths: Callable[[list[Sequence], bool], list[int]] | None = None,
                  clock: Callable[[], float] | None = None, vision: VisionPipeline | None = None) -> None:
@@ -205,7 +195,7 @@ class Scheduler:
         self.clock = clock or time.monotonic  # seconds, for how long a request has waited
         self.config = config
         self.rebuild_flops = rebuild_flops
-        self.flops, self.bandwidth = DEVICE_SPEED.get(device_type, DEVICE_SPEED["cuda"])
+        self.speeds = speeds  # this machine's, for the restore estimate
         self.image_kv = image_kv
         self.draft_lengths = draft_lengths
         self.waiting: list[Sequence] = []
@@ -291,7 +281,7 @@ class Scheduler:
                 if victims is None:  # ranked once, when the pool first runs short
                     victims = iter(rank_victims(list(self.running), self.config.preemption_policy,
                                                 self.config.preemption_weights,
-                                                lambda s: self.restore_estimate(s)[1],
+                                                lambda s: self._restore(s).seconds,
                                                 self.clock()))
                 victim = next(victims)
                 if victim in batch.seqs:
@@ -483,7 +473,7 @@ class Scheduler:
         self._release_images(seq)  # they stay cached; resuming takes them again
         seq.preemptions += 1
         self.preemptions.most_per_request = max(self.preemptions.most_per_request, seq.preemptions)
-        if self.restore_estimate(seq)[0] == "swap":
+        if self._restore(seq).how == "swap":
             seq.swapped, seq.table = self.kv.swap_out(seq.table), None
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
@@ -495,16 +485,5 @@ class Scheduler:
             self.add(seq)
             self.preemptions.recompute += 1
 
-    def restore_estimate(self, seq: Sequence) -> tuple[str, float]:
-        """How ``seq`` would be preempted (``"swap"`` or ``"recompute"``) and the estimated
-        seconds of bringing it back that way (the module docstring)."""
-        moved = sum(self.kv.pool.refcount[b] == 1 for b in seq.table.blocks)
-        bs = self.kv.block_size
-        recompute = self.rebuild_flops((len(seq.table.blocks) - moved) * bs, moved * bs) / self.flops
-        host = self.kv.host_pool
-        if host is None or host.num_free < moved or self.config.preemption == "recompute":
-            return "recompute", recompute
-        swap = SWAP_LATENCY + 2 * moved * self.kv.bytes_per_block / self.bandwidth
-        if self.config.preemption == "swap" or swap < recompute:
-            return "swap", swap
-        return "recompute", recompute
+    def _restore(self, seq: Sequence) -> Restore:
+        return restore_estimate(seq, self.kv, self.config.preemption, self.rebuild_flops, self.speeds)

@@ -464,19 +464,6 @@ def test_serve_bench_drives_both_servers_to_equal_answers():
     assert result["throughput_vs_transformers_serve"] > 0
 
 
-def test_preemption_bench_runs_both_policies_on_one_workload():
-    """A small pool forces preemptions under both policies; the outputs agree and the figures
-    the docs quote are there."""
-    result = bench("preemption", "--long", "2", "--long-prompt", "64", "--long-answer", "4",
-                   "--short", "6", "--short-prompt", "8", "--short-answer", "24", "--kv-blocks", "8", "--every", "1",
-                   "--host-blocks", "2", "--hidden-size", "64", "--num-layers", "2", "--repeats", "1")
-    assert result["outputs_equal"] is True
-    for policy in ("cost", "newest"):
-        assert result[f"preemptions_swap_{policy}"] + result[f"preemptions_recompute_{policy}"] > 0
-        assert result[f"max_preemptions_per_request_{policy}"] >= 1
-    assert result["recomputed_tokens_cost_vs_newest"] >= 0 and result["seconds_cost_vs_newest"] > 0
-
-
 def test_kv_dtype_bench_holds_more_documents_in_compressed_pools():
     """Six documents in a pool that holds three and a half in bfloat16 and all six in int8: the
     compressed variants serve the revisits from the cache, the fields the docs quote are there,

@@ -1,6 +1,7 @@
 """Which sequence a full pool preempts (``mmkv.preemption``): each term of the cost ranking, the
-priority rule, the restore estimate's treatment of shared blocks, and the scheduler's use of the
-ranking, on a scheduler driven without a model (the tokens' K/V are never computed)."""
+priority rule, the restore estimate's treatment of shared blocks, the victim and the mode that
+stated restore speeds choose, and the scheduler's use of the ranking, on a scheduler driven
+without a model (the tokens' K/V are never computed)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import mmkv.engine as engine_module
+import mmkv.restore_speeds as restore_speeds
 import mmkv.scheduler as scheduler_module
 
 from cache import KVCache, KVLayout
-from mmkv.preemption import CostWeights, preemption_cost, rank_victims
+from mmkv.preemption import CostWeights, preemption_cost, rank_victims, restore_estimate
+from mmkv.restore_speeds import RestoreSpeeds
 from mmkv.sampling_params import SamplingParams
 from mmkv.scheduler import Scheduler, SchedulerConfig
 from mmkv.sequence import Sequence
 
 BLOCK = 4
+SPEEDS = RestoreSpeeds(flops=1e11, swap_latency=1e-4, swap_block_seconds=1e-4)
 WEIGHTS = CostWeights(wait=0.1, progress=0.01, repeat=1.0)
 _ids = itertools.count()
 
@@ -87,12 +92,12 @@ def test_ties_go_to_the_newest_and_weights_must_not_be_negative():
 # -- the scheduler, without a model --------------------------------------------------------------
 
 def make_scheduler(blocks: int, policy: str, host_blocks: int = 0, now=lambda: 0.0,
-                   preemption: str = "recompute") -> Scheduler:
+                   preemption: str = "recompute", speeds: RestoreSpeeds = SPEEDS) -> Scheduler:
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=BLOCK, dtype=torch.float32)
     kv = KVCache(layout, blocks, num_host_blocks=host_blocks)
     config = SchedulerConfig(max_num_batched_tokens=4096, preemption=preemption,
                              preemption_policy=policy, preemption_weights=WEIGHTS)
-    return Scheduler(kv, config, lambda start, count: 1e9 * count, "cpu", clock=now)
+    return Scheduler(kv, config, lambda start, count: 1e9 * count, speeds, clock=now)
 
 
 def run_step(scheduler: Scheduler) -> list[Sequence]:
@@ -116,8 +121,8 @@ def test_a_shared_prefix_costs_nothing_to_restore():
     child = sequence(prompt=16)
     child.table, child.num_computed = scheduler.kv.fork(parent.table), parent.num_computed
     scheduler.add_running(child)
-    _, shared = scheduler.restore_estimate(parent)
-    _, alone = scheduler.restore_estimate(own)
+    _, shared = restore_estimate(parent, scheduler.kv, "recompute", scheduler.rebuild_flops, SPEEDS)
+    _, alone = restore_estimate(own, scheduler.kv, "recompute", scheduler.rebuild_flops, SPEEDS)
     assert shared == 0.0 and alone == pytest.approx(16 * 1e9 / 1e11)
     scheduler.finish(child)
 
@@ -187,6 +192,7 @@ def test_a_steady_stream_preempts_no_request_without_bound_under_cost(model_dirs
     moves a millisecond a reading keeps the waiting term the same on every machine.)"""
     from test_engine_oracle import engine
 
+    monkeypatch.setattr(engine_module, "measured_restore_speeds", lambda runner, kv: SPEEDS)
     rng = random.Random(0)
     stream = [(2 * i, [rng.randrange(256) for _ in range(4)], SamplingParams(max_tokens=24, ignore_eos=True))
               for i in range(40)]
@@ -201,3 +207,78 @@ def test_a_steady_stream_preempts_no_request_without_bound_under_cost(model_dirs
             hf_oracle.check("llama", prompt, out)
         most[policy] = eng.stats()["max_preemptions_per_request"]
     assert most["newest"] >= 5 and most["cost"] <= 2, most
+
+
+# -- restore speeds: what they decide, and their measurement -------------------------------------
+
+FAST_SWAP = RestoreSpeeds(flops=1e11, swap_latency=1e-3, swap_block_seconds=1e-2)
+SLOW_SWAP = RestoreSpeeds(flops=1e11, swap_latency=1e-3, swap_block_seconds=5e-2)
+
+
+def test_the_stated_speeds_decide_between_swapping_and_recomputing():
+    """16 private tokens (4 blocks, 1.6e10 FLOPs) take 0.16 s to recompute at 1e11 FLOP/s, and
+    1 ms + 4 x 10 ms = 0.041 s or 1 ms + 4 x 50 ms = 0.201 s to swap out and back: ``auto`` takes
+    the cheaper; ``recompute`` and ``swap`` take theirs whatever the speeds."""
+    scheduler = make_scheduler(16, "cost", host_blocks=8, preemption="auto")
+    seq = sequence(prompt=16)
+    scheduler.add(seq)
+    run_step(scheduler)
+    kv, flops = scheduler.kv, scheduler.rebuild_flops
+    assert restore_estimate(seq, kv, "auto", flops, FAST_SWAP) == ("swap", pytest.approx(0.041))
+    assert restore_estimate(seq, kv, "auto", flops, SLOW_SWAP) == ("recompute", pytest.approx(0.16))
+    assert restore_estimate(seq, kv, "recompute", flops, FAST_SWAP).how == "recompute"
+    assert restore_estimate(seq, kv, "swap", flops, SLOW_SWAP) == ("swap", pytest.approx(0.201))
+    scheduler.finish(seq)
+
+
+@pytest.mark.parametrize("speeds, swapped", [(FAST_SWAP, True), (SLOW_SWAP, False)])
+def test_the_scheduler_preempts_the_way_its_speeds_price_cheaper(speeds, swapped):
+    """A full 3-block pool: the first sequence (1 block: 4 tokens, 0.04 s to recompute) gives way
+    and is swapped out (1 ms + 10 ms) or dropped to recompute (against 1 ms + 50 ms)."""
+    scheduler = make_scheduler(3, "cost", host_blocks=4, preemption="auto", speeds=speeds)
+    first, second = sequence(prompt=3), sequence(prompt=8)
+    for seq in (first, second):
+        scheduler.add(seq)
+    run_step(scheduler)
+    assert run_step(scheduler) == [second] and first.preemptions == 1
+    stats = scheduler.stats()
+    assert (stats["preemptions_swap"], stats["preemptions_recompute"]) == ((1, 0) if swapped else (0, 1))
+    for seq in (first, second):
+        scheduler.finish(seq)
+
+
+def test_a_slower_machine_gives_recomputation_more_weight_than_a_repeat():
+    """A fresh sequence of 16 private tokens against one of 4 tokens preempted once before
+    (``repeat`` 1 s). At 1e11 FLOP/s the fresh one costs 0.16 s and the other 1.04 s: the fresh
+    one goes. At 1e10 FLOP/s the fresh one costs 1.6 s and the other 1.4 s: the other goes."""
+    scheduler = make_scheduler(16, "cost")
+    fresh, again = sequence(prompt=16, arrival_time=10.0), sequence(prompt=4, preemptions=1, arrival_time=10.0)
+    for seq in (fresh, again):
+        scheduler.add(seq)
+    run_step(scheduler)
+    for flops, victim in ((1e11, fresh), (1e10, again)):
+        speeds = RestoreSpeeds(flops=flops, swap_latency=1e-4, swap_block_seconds=1e-4)
+        restore = lambda s: restore_estimate(s, scheduler.kv, "recompute", scheduler.rebuild_flops, speeds).seconds
+        assert rank_victims([fresh, again], "cost", WEIGHTS, restore, 10.0)[0] is victim, flops
+    for seq in (fresh, again):
+        scheduler.finish(seq)
+
+
+def test_speeds_are_measured_once_per_kind_of_engine_and_leave_the_cache_as_found(model_dirs,
+                                                                                   monkeypatch):
+    """A second engine of the same kind reuses the first's speeds; an engine without a host tier
+    is another kind, and prices no swap. The measurement's blocks and host slots are free again."""
+    from test_engine_oracle import engine
+
+    measure, kinds = restore_speeds._measure, []
+    monkeypatch.setattr(restore_speeds, "MEASURED", {})
+    monkeypatch.setattr(restore_speeds, "_measure",
+                        lambda runner, kv, tokens: kinds.append(tokens) or measure(runner, kv, tokens))
+    first, second = engine(model_dirs, blocks=64), engine(model_dirs, blocks=64)
+    assert len(kinds) == 1 and first.scheduler.speeds is second.scheduler.speeds
+    assert first.kv.pool.num_free == 64 and first.kv.host_pool.num_free == 64
+    no_host = engine(model_dirs, blocks=64, host_kv_memory=0)
+    assert len(kinds) == 2 and no_host.scheduler.speeds.swap_block_seconds == float("inf")
+    assert no_host.kv.pool.num_free == 64
+    with pytest.raises(ValueError, match="flops must be > 0"):
+        RestoreSpeeds(flops=0.0, swap_latency=0.0, swap_block_seconds=1.0)
