@@ -177,6 +177,33 @@ def plan_drafts(batch: ScheduledBatch, kv: KVCache,
     return ScheduledBatch(seqs, q_lens, candidates, reserved, batch.failed)
 
 
+def count_reuse(seq: Sequence, cached: int) -> None:
+    """At first admission: what the prompt took from the caches (``Sequence.reuse``; the encoder
+    queue counted ``images_encoded`` before admitting it)."""
+    reuse = seq.reuse
+    reuse.images = len(seq.images)
+    reuse.prompt_tokens_computed = len(seq.token_ids) - cached
+    held = sum(len(t.blocks) for t in seq.image_tables)
+    reuse.xattn_blocks_reused = max(0, held - reuse.xattn_blocks_computed)
+
+
+def swap_or_drop(seq: Sequence, kv: KVCache, how: str, stats: PreemptionStats) -> bool:
+    """Preempt ``seq`` (its table holding only its computed tokens): ``how == "swap"`` moves its
+    table to the host tier (True), else its blocks are freed and it starts again from its first
+    token (False). Counted in ``stats``."""
+    seq.preemptions += 1
+    stats.most_per_request = max(stats.most_per_request, seq.preemptions)
+    if how == "swap":
+        seq.swapped, seq.table = kv.swap_out(seq.table), None
+        stats.swap += 1
+        stats.swapped_bytes += len(seq.swapped.host_slots) * kv.bytes_per_block
+        return True
+    kv.free(seq.table)
+    seq.table, seq.num_computed, seq.num_cached_blocks = None, 0, 0
+    stats.recompute += 1
+    return False
+
+
 class Scheduler:
     """Decides each step's batch and keeps sequences' block tables in step with the cache.
 
@@ -351,7 +378,7 @@ class Scheduler:
             if not seq.admitted:
                 seq.admitted, seq.cached_tokens = True, cached
                 self.cached_prompt_tokens += cached
-                self._count_reuse(seq, cached)
+                count_reuse(seq, cached)
             seq.table, seq.num_computed = table, cached
             seq.num_cached_blocks = cached // self.kv.block_size
             seq.draft_valid = None  # a new table: a draft model reads what its blocks hold
@@ -359,15 +386,6 @@ class Scheduler:
             if self.config.enable_prefix_caching:
                 prefilling.add(seq.keys(), seq.namespace, cached)
             budget -= n
-
-    def _count_reuse(self, seq: Sequence, cached: int) -> None:
-        """At first admission: what the prompt took from the caches (``Sequence.reuse``; the
-        encoder queue counted ``images_encoded`` before admitting it)."""
-        reuse = seq.reuse
-        reuse.images = len(seq.images)
-        reuse.prompt_tokens_computed = len(seq.token_ids) - cached
-        held = sum(len(t.blocks) for t in seq.image_tables)
-        reuse.xattn_blocks_reused = max(0, held - reuse.xattn_blocks_computed)
 
     def _acquire(self, seq: Sequence) -> BlockTable:
         if not self.config.enable_prefix_caching:
@@ -471,19 +489,11 @@ class Scheduler:
         (slots this step reserved for it are given back first)."""
         self.kv.truncate(seq.table, seq.num_computed)
         self._release_images(seq)  # they stay cached; resuming takes them again
-        seq.preemptions += 1
-        self.preemptions.most_per_request = max(self.preemptions.most_per_request, seq.preemptions)
-        if self._restore(seq).how == "swap":
-            seq.swapped, seq.table = self.kv.swap_out(seq.table), None
+        if swap_or_drop(seq, self.kv, self._restore(seq).how, self.preemptions):
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
-            self.preemptions.swap += 1
-            self.preemptions.swapped_bytes += len(seq.swapped.host_slots) * self.kv.bytes_per_block
         else:
-            self.kv.free(seq.table)
-            seq.table, seq.num_computed, seq.num_cached_blocks = None, 0, 0
             self.add(seq)
-            self.preemptions.recompute += 1
 
     def _restore(self, seq: Sequence) -> Restore:
         return restore_estimate(seq, self.kv, self.config.preemption, self.rebuild_flops, self.speeds)

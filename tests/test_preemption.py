@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import mmkv.engine as engine_module
+import mmkv.engine_core as engine_module
 import mmkv.restore_speeds as restore_speeds
 import mmkv.scheduler as scheduler_module
 
