@@ -473,3 +473,15 @@ def test_structured_bench_reports_the_schemas_cost_and_that_every_output_validat
     for field in ("schema_vs_free_tokens_per_s_b1", "schema_vs_free_tokens_per_s_b32",
                   "mask_us_per_token_b1", "mask_us_per_token_b32"):
         assert result[field] > 0, field
+
+
+def test_a_benchmark_with_an_invalid_constrained_output_exits_non_zero(monkeypatch, capsys):
+    """``all_outputs_valid`` is one of the exit checks, as ``outputs_equal`` is: the structured
+    bench's speed figure over an output that breaks its schema means nothing."""
+    invalid = types.SimpleNamespace(__doc__="a benchmark with an invalid constrained output",
+                                    add_arguments=lambda parser: None,
+                                    run=lambda args: {"all_outputs_valid": False, "speedup": 0.9})
+    monkeypatch.setitem(bench_main.BENCHMARKS, "invalid", invalid)
+    with pytest.raises(SystemExit, match="all_outputs_valid is false"):
+        bench_main.main(["invalid", "--json"])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["all_outputs_valid"] is False
