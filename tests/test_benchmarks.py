@@ -455,7 +455,7 @@ def test_kv_dtype_bench_holds_more_documents_in_compressed_pools():
     compressed variants serve the revisits from the cache, the fields the docs quote are there,
     and decode attention is timed for every format."""
     result = bench("kv-dtype", "--documents", "6", "--document-tokens", "96", "--rounds", "2",
-                   "--batch", "1", "--answer", "2", "--repeats", "1", "--kv-cache-memory", str(1003520),
+                   "--batch", "2", "--answer", "2", "--repeats", "1", "--kv-cache-memory", str(1003520),
                    "--long-sequences", "2", "--long-context", "200", "--long-steps", "2",
                    "--peers", "llama.cpp", "--peer-documents", "2")
     # head size 32: 32 codes and a 2-byte scale against 32 bfloat16 values, per row
