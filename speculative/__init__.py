@@ -1,5 +1,5 @@
 """Speculative decoding: configuration, exact verification (greedy and rejection sampling) and the
-controller that chooses each sequence's draft length."""
+controller that decides each step whether a round of drafts pays or the step decodes plainly."""
 
 from speculative.acceptance import DraftHistory
 from speculative.config import DRAFT_LENGTHS, METHODS, SpeculativeConfig

@@ -18,9 +18,9 @@ class SpeculativeConfig:
     tokenizer (its KV in a second store addressed by the same block tables).
 
     ``num_tokens``: the most drafts per round. ``draft_length="auto"``: each step a controller
-    (``speculative.controller``) chooses every sequence's draft length, 0 included, from measured
-    costs and acceptance, decoding plainly when speculation would not pay; ``"fixed"``: every
-    round drafts ``num_tokens``. With ``adaptive_threshold`` a round also stops a sequence's
+    (``speculative.controller``) decides from measured costs and acceptance whether a round pays
+    (every sequence drafting its limit) or the step decodes plainly; ``"fixed"``: every round
+    drafts ``num_tokens``. With ``adaptive_threshold`` a round also stops a sequence's
     drafting once the draft's top probability falls below it. ``settings``: the controller's
     tunable constants (``speculative.controller.Settings``).
     """

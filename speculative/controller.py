@@ -32,7 +32,7 @@ otherwise a round first fills in what it skipped in one pass. Holding: a priced 
 1 step, doubling each time pricing repeats it in the batch's size class (1, 2-3, 4-7, ...; a class
 drained into goes on from the last span) up to ``HOLD_MAX`` (plain) or ``ROUND_HOLD_MAX`` (rounds).
 A plain hold ends when a sequence joins or the batch shrinks into a smaller class; a round hold when
-it grows into a larger one. Each constant is a default of ``Settings``; why: docs/speculation.md.
+it grows into a larger one. Each constant is a default of ``Settings`` (docs/speculation.md).
 
 Invariants: a chosen length is 0 or the limit; with ``fixed`` it is the limit. Decisions use past
 rounds only, so verification stays exact.

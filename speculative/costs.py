@@ -15,7 +15,7 @@ coefficient but θ0 at least 0 and a small ridge. Interference only adds time, s
 the fast passes: an observation above the last solved fit's prediction weighs ``SLOW_WEIGHT`` and
 counts as at most ``SPIKE`` times it. A fit read before any pass predicts nothing.
 
-Invariant: every prediction is the current fit's, and positive. What each rule measured:
+Invariant: every prediction is the current fit's, and positive. How the controller uses the fits:
 docs/speculation.md (Pass costs).
 """
 

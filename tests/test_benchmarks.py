@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mmkv.bench import __main__ as bench_main
-from mmkv.bench import llama_cpp_peer, spec_bench, spec_compare
+from mmkv.bench import kv_dtype_bench, llama_cpp_peer, spec_bench, spec_compare
 from speculative import SpeculativeConfig
 from speculative.controller import DraftLengthController
 
@@ -469,8 +469,9 @@ def test_kv_dtype_bench_holds_more_documents_in_compressed_pools():
     compressed variants serve the revisits from the cache, the fields the docs quote are there,
     and decode attention is timed for every format."""
     result = bench("kv-dtype", "--documents", "6", "--document-tokens", "96", "--rounds", "2",
-                   "--batch", "1", "--answer", "2", "--repeats", "1", "--kv-cache-memory", str(1003520),
-                   "--long-sequences", "2", "--long-context", "200", "--long-steps", "2")
+                   "--batch", "2", "--answer", "2", "--repeats", "1", "--kv-cache-memory", str(1003520),
+                   "--long-sequences", "2", "--long-context", "200", "--long-steps", "2",
+                   "--peers", "llama.cpp", "--peer-documents", "2")
     # head size 32: 32 codes and a 2-byte scale against 32 bfloat16 values, per row
     assert result["bytes_per_token_bf16"] / result["bytes_per_token_bf16_int8"] == 64 / 34
     assert result["hit_rate_bf16_int8"] > result["hit_rate_bf16"]
@@ -478,6 +479,23 @@ def test_kv_dtype_bench_holds_more_documents_in_compressed_pools():
     for field in ("seconds_int8_vs_bf16", "greedy_agreement_int8", "greedy_agreement_fp8",
                   "decode_attention_int8_vs_bf16", "decode_attention_fp8_vs_bf16"):
         assert result[field] > 0, field
+    missing = llama_cpp_peer.available()
+    if missing is not None:
+        assert result["llama_cpp"] == missing
+    else:  # int8 against llama.cpp's q8_0 and f16 K/V in one run, each timed
+        for kv in ("q8_0", "f16"):
+            assert result[f"llama_cpp_{kv}_seconds"] > 0 and result[f"speedup_int8_vs_llama_cpp_{kv}_kv"] > 0
+        assert result["peer_kv_bytes_f16"] > result["peer_kv_bytes_q8_0"]
+
+
+def test_kv_dtype_bench_rotates_the_order_its_sides_take_turns_in():
+    """mmkv and the llama.cpp peers alternate: each leads one round in every three, none is timed
+    in a block before the others."""
+    orders = kv_dtype_bench.rotated(["mmkv_int8", "llama_cpp_q8_0", "llama_cpp_f16"], 4)
+    assert [order[0] for order in orders] == ["mmkv_int8", "llama_cpp_q8_0", "llama_cpp_f16", "mmkv_int8"]
+    assert all(sorted(order) == sorted(orders[0]) for order in orders)
+    for place in range(3):
+        assert len({order[place] for order in orders[:3]}) == 3
 
 
 def test_structured_bench_reports_the_schemas_cost_and_that_every_output_validated():
@@ -487,3 +505,15 @@ def test_structured_bench_reports_the_schemas_cost_and_that_every_output_validat
     for field in ("schema_vs_free_tokens_per_s_b1", "schema_vs_free_tokens_per_s_b32",
                   "mask_us_per_token_b1", "mask_us_per_token_b32"):
         assert result[field] > 0, field
+
+
+def test_a_benchmark_with_an_invalid_constrained_output_exits_non_zero(monkeypatch, capsys):
+    """``all_outputs_valid`` is one of the exit checks, as ``outputs_equal`` is: the structured
+    bench's speed figure over an output that breaks its schema means nothing."""
+    invalid = types.SimpleNamespace(__doc__="a benchmark with an invalid constrained output",
+                                    add_arguments=lambda parser: None,
+                                    run=lambda args: {"all_outputs_valid": False, "speedup": 0.9})
+    monkeypatch.setitem(bench_main.BENCHMARKS, "invalid", invalid)
+    with pytest.raises(SystemExit, match="all_outputs_valid is false"):
+        bench_main.main(["invalid", "--json"])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["all_outputs_valid"] is False

@@ -555,8 +555,7 @@ def test_a_catch_up_is_paid_by_the_tokens_the_outputs_have_left():
 def test_a_catch_up_is_spread_over_at_most_num_tokens_of_each_output():
     """A catch-up of 8,000 positions (about 15 ms) against rounds 3.6x faster than plain decoding,
     spread over at most ``num_tokens`` more tokens of each output, does not pay, on a fresh engine
-    or once outputs are seen to run 400 tokens (spreading it further measured no faster:
-    docs/speculation.md)."""
+    or once outputs are seen to run 400 tokens (spreading it further measured no faster)."""
     controller, histories = trained_on_catch_ups()
     progress, behind = [(0, 400)] * 3, [8000, 0, 0]
     assert controller.choose(histories, [4] * 3, [8000] * 3, progress, behind) == [0] * 3

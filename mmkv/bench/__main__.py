@@ -1,5 +1,7 @@
-"""Entry point: ``python -m mmkv.bench cache --json``. Exits non-zero when a benchmark's outputs differ
-from its peer's (``outputs_equal`` false): a speed figure over wrong outputs means nothing."""
+"""Entry point: ``python -m mmkv.bench cache --json``. Exits non-zero when a benchmark's outputs fail
+its check: they differ from its peer's (``outputs_equal`` or ``outputs_near_greedy`` false), or a
+constrained output breaks its constraint (``all_outputs_valid`` false). A speed figure over wrong
+outputs means nothing."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ BENCHMARKS = {"cache": cache_bench, "prefix": prefix_bench, "image-qa": image_qa
               "spec": spec_bench, "spec-compare": spec_compare, "cross": cross_bench,
               "serve": serve_bench, "gpu": gpu_bench, "distributed": distributed_bench,
               "preemption": preemption_bench, "kv-dtype": kv_dtype_bench, "structured": structured_bench}
-CHECKS = ("outputs_equal", "outputs_near_greedy")  # a benchmark whose outputs fail one exits 1
+CHECKS = {"outputs_equal": "outputs differ between mmkv and its peer",  # a benchmark failing one exits 1
+          "outputs_near_greedy": "outputs differ between mmkv and its peer",
+          "all_outputs_valid": "an output breaks its constraint"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,7 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     failed = [check for check in CHECKS if result.get(check) is False]
     if failed:
-        sys.exit(f"{args.name}: outputs differ between mmkv and its peer ({', '.join(failed)} is false)")
+        reasons = "; ".join(f"{CHECKS[check]} ({check} is false)" for check in failed)
+        sys.exit(f"{args.name}: {reasons}")
 
 
 if __name__ == "__main__":

@@ -23,12 +23,18 @@ decode attention costs over long contexts, per KV format.
    take turns, 8 calls at a time, so none is timed only in a quieter moment), and
    ``decode_attention_int8_vs_bf16``. A call reads every cached byte once; where that reading
    bounds the kernel, its time goes with the bytes a format stores (``kv_bytes_read_<format>``).
-3. **Against llama.cpp's q8_0 KV** (``--peers llama.cpp``, installed by ``make bench-peers``): the
-   capacity workload on the benchmarks' random Llama, ``--peer-documents`` documents, mmkv's int8
-   cache against llama.cpp's q8_0 K and V in the same bytes, llama.cpp serving ``--batch`` parallel
-   slots the way llama-server does with its prompt cache (``LlamaCpp.serve_slots``):
-   ``speedup_int8_vs_llama_cpp_q8_0_kv``, each side's prompt tokens served from its cache, and the
-   share of answers the two agree on (both quantise, differently, so near ties may split).
+3. **Against llama.cpp** (``--peers llama.cpp``, installed by ``make bench-peers``): the capacity
+   workload on the benchmarks' random Llama, ``--peer-documents`` documents, mmkv with int8 KV in
+   the bytes of llama.cpp's q8_0 slots against llama.cpp serving ``--batch`` parallel slots the way
+   llama-server does with its prompt cache (``LlamaCpp.serve_slots``), with q8_0 K and V (those
+   bytes) and with its default f16 K and V (the same slots, more bytes). The three take turns,
+   ``--repeats`` rounds, each round in an order rotated by one (each leads a round in three);
+   ``speedup_int8_vs_llama_cpp_<kv>_kv`` is the median over rounds of each round's ratio of
+   seconds, ``llama_cpp_q8_0_vs_f16_seconds`` likewise. Per side: seconds (the fastest round),
+   prompt tokens served from its cache, and the share of answers mmkv agrees on (both quantise,
+   differently, so near ties split). Both serve about the same prompt tokens from cache, so the
+   speedup is speed at equal KV bytes, not what compression buys (the capacity workload above
+   measures that).
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -175,46 +183,97 @@ def long_decode(args: argparse.Namespace) -> dict:
     return result
 
 
+PEER_KV_TYPES = ("q8_0", "f16")  # llama.cpp's K/V types timed: int8's counterpart, and its default
+KV_TYPE_BYTES = {"q8_0": 34 / 32, "f16": 2.0}  # bytes per value: q8_0 blocks are 32 codes and a half scale
+
+
+def rotated(sides: list[str], repeats: int) -> list[list[str]]:
+    """Each round's order: ``sides`` rotated by one more each round, so in every ``len(sides)``
+    rounds each side takes each place in the order once (a slow stretch of the machine meets
+    every side alike)."""
+    return [sides[r % len(sides):] + sides[:r % len(sides)] for r in range(repeats)]
+
+
 def against_llama_cpp(args: argparse.Namespace) -> dict:
     """The capacity workload on the benchmarks' random Llama (a llama.cpp architecture):
-    ``--peer-documents`` documents, mmkv with int8 KV against llama.cpp with q8_0 K and V served
-    as llama-server serves ``--batch`` parallel slots with its prompt cache
-    (``LlamaCpp.serve_slots``), each with the same KV bytes: what the slots take."""
+    ``--peer-documents`` documents, mmkv with int8 KV in the bytes of llama.cpp's q8_0 slots,
+    llama.cpp with q8_0 and with f16 K and V served as llama-server serves ``--batch`` parallel
+    slots with its prompt cache (``LlamaCpp.serve_slots``), the three taking turns."""
     missing = llama_cpp_peer.available()
     if missing is not None:
         return {"llama_cpp": missing}
     rounds = workload(list(range(BENCH_LLAMA["vocab_size"])), args.peer_documents, args)
-    batches = in_batches(rounds, args.batch)
     slot_tokens = args.document_tokens + 4 + args.answer
-    layers, kv_heads = BENCH_LLAMA["num_hidden_layers"], BENCH_LLAMA["num_key_value_heads"]
     head_dim = BENCH_LLAMA["hidden_size"] // BENCH_LLAMA["num_attention_heads"]
-    q8_0_bytes = layers * 2 * kv_heads * head_dim * 34 // 32  # blocks of 32 values: 32 bytes and a half scale
-    memory = args.batch * slot_tokens * q8_0_bytes
-    result: dict = {"llama_cpp": "timed", "peer_kv_bytes": memory}
+    values = BENCH_LLAMA["num_hidden_layers"] * 2 * BENCH_LLAMA["num_key_value_heads"] * head_dim
+    kv_bytes = {kv: int(args.batch * slot_tokens * values * KV_TYPE_BYTES[kv]) for kv in PEER_KV_TYPES}
     with tempfile.TemporaryDirectory() as tmp:
         model = save_random_llama(Path(tmp) / "llama", args.seed)
         gguf = llama_cpp_peer.convert(model, Path(tmp) / "gguf", ["f32"])["f32"]
-        peer = llama_cpp_peer.LlamaCpp(gguf, args.batch, slot_tokens, kv_type="q8_0")
-        theirs, peer_s, reused = None, math.inf, 0
-        for _ in range(args.repeats):
-            with gc_paused():
-                start = time.perf_counter()
-                theirs, reused = peer.serve_slots(batches, args.answer)
-                peer_s = min(peer_s, time.perf_counter() - start)
-        peer.close()
-        ours, mmkv_s = None, math.inf
-        for _ in range(args.repeats):
-            engine = Engine(model, kv_cache_memory=memory, host_kv_memory="16MiB", device="cpu",
-                            dtype="float32", kv_cache_dtype="int8")
-            ours, seconds = serve(engine, rounds, args)
-            mmkv_s = min(mmkv_s, seconds)
-        result.update({"llama_cpp_q8_0_seconds": round(peer_s, 3), "llama_cpp_cached_prompt_tokens": reused,
-                       "mmkv_int8_seconds": round(mmkv_s, 3),
-                       "mmkv_int8_cached_prompt_tokens": engine.stats()["cached_prompt_tokens"],
-                       "speedup_int8_vs_llama_cpp_q8_0_kv": round(peer_s / mmkv_s, 3),
-                       "greedy_agreement_with_llama_cpp": round(
-                           sum(a == b for a, b in zip(ours, theirs)) / len(ours), 4)})
-    return result
+        peers = {kv: llama_cpp_peer.LlamaCpp(gguf, args.batch, slot_tokens, kv_type=kv) for kv in PEER_KV_TYPES}
+        try:
+            runs = _take_turns(peers, model, kv_bytes["q8_0"], rounds, args)
+        finally:
+            for peer in peers.values():
+                peer.close()
+    return {"llama_cpp": "timed", **{f"peer_kv_bytes_{kv}": n for kv, n in kv_bytes.items()},
+            **_peer_figures(runs)}
+
+
+@dataclass(slots=True)
+class SideRun:
+    """One side's runs: seconds per round; its last round's answers and prompt tokens served
+    from its cache."""
+
+    seconds: list[float] = field(default_factory=list)
+    answers: list = field(default_factory=list)
+    cached: int = 0
+
+
+def _take_turns(peers: dict, model: Path, memory: int, rounds: list[list[list[int]]],
+                args: argparse.Namespace) -> dict[str, SideRun]:
+    """mmkv int8 (a fresh engine each round) and each llama.cpp peer serve the workload in turns,
+    ``args.repeats`` rounds in rotated orders."""
+    batches = in_batches(rounds, args.batch)
+    sides = ["mmkv_int8", *(f"llama_cpp_{kv}" for kv in peers)]
+    runs = {side: SideRun() for side in sides}
+    for order in rotated(sides, args.repeats):
+        for side in order:
+            if side == "mmkv_int8":
+                engine = Engine(model, kv_cache_memory=memory, host_kv_memory="16MiB", device="cpu",
+                                dtype="float32", kv_cache_dtype="int8")
+                answers, seconds = serve(engine, rounds, args)
+                cached = engine.stats()["cached_prompt_tokens"]
+            else:
+                with gc_paused():
+                    start = time.perf_counter()
+                    answers, cached = peers[side.removeprefix("llama_cpp_")].serve_slots(batches, args.answer)
+                    seconds = time.perf_counter() - start
+            run = runs[side]
+            run.seconds.append(seconds)
+            run.answers, run.cached = answers, cached
+    return runs
+
+
+def _peer_figures(runs: dict[str, SideRun]) -> dict:
+    """Each side's fastest seconds and cached prompt tokens; the medians of the rounds' ratios;
+    how often mmkv's answers equal each peer's."""
+    ours = runs["mmkv_int8"]
+
+    def median_ratio(slow: SideRun, fast: SideRun) -> float:
+        return round(statistics.median(s / f for s, f in zip(slow.seconds, fast.seconds)), 3)
+
+    out: dict = {}
+    for side, run in runs.items():
+        out[f"{side}_seconds"] = round(min(run.seconds), 3)
+        out[f"{side}_cached_prompt_tokens"] = run.cached
+    for kv in PEER_KV_TYPES:
+        peer = runs[f"llama_cpp_{kv}"]
+        out[f"speedup_int8_vs_llama_cpp_{kv}_kv"] = median_ratio(peer, ours)
+        out[f"greedy_agreement_with_llama_cpp_{kv}"] = round(
+            sum(a == b for a, b in zip(ours.answers, peer.answers)) / len(ours.answers), 4)
+    out["llama_cpp_q8_0_vs_f16_seconds"] = median_ratio(runs["llama_cpp_q8_0"], runs["llama_cpp_f16"])
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -8,7 +8,9 @@ answer had (so both make the same tokens from the same prompts). Per batch size:
 fastest of ``--repeats`` runs on fresh engines), their ratio
 (``schema_vs_free_tokens_per_s_b1`` / ``_b32``), and the microseconds per constrained token a
 step spent filling its masks and applying them (``mask_us_per_token_b1`` / ``_b32``).
-``all_outputs_valid``: every constrained output parses as JSON and validates against the schema.
+``all_outputs_valid``: every constrained output parses as JSON and validates against the schema
+(when one does not, ``python -m mmkv.bench`` exits non-zero, as when a bench's outputs differ
+from its peer's).
 
 ``--libraries`` also times the two grammar libraries alone (llguidance, mmkv's, and xgrammar, when
 ``make bench-peers`` installed it) on the bundled tokenizer and on a 32,000-token byte-level BPE
