@@ -53,11 +53,11 @@ def test_the_mixed_lengths_workload_is_drawn_from_its_seed():
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("--kv-blocks", "120,0", "expected positive integers such as 120,160, got '120,0'"),
+    ("--kv-blocks", "8,0", "expected positive integers such as 120,160, got '8,0'"),
     ("--preemption", "auto,later", "preemption modes are auto, swap, recompute; got 'auto,later'"),
     ("--workload", "uniform", "invalid choice: 'uniform'"),
 ])
 def test_bad_options_are_refused_naming_what_is_allowed(option, value, message, capsys):
     with pytest.raises(SystemExit):
-        bench("preemption", option, value)
+        bench("preemption", "--long", "1", "--long-prompt", "8", "--short", "1", *TINY, option, value)
     assert message in capsys.readouterr().err

@@ -18,13 +18,16 @@ one request; ``recomputed_tokens_cost_vs_newest`` and ``swapped_bytes_cost_vs_ne
 the medians, and ``seconds_cost_vs_newest``, the median over rounds of each round's ratio (the two
 runs of a round are seconds apart, so the machine's drift between rounds cancels). Over the cells:
 the least and the most ``seconds_cost_vs_newest``, and the restore speeds the engines measured.
+Each cell's figures go to stderr as one JSON line when it is done.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -156,6 +159,7 @@ def run(args: argparse.Namespace) -> dict:
                         outputs.append(outs)
                         runs[policy].append(figs)
                 cells.append(cell(blocks, mode, runs))
+                print(json.dumps(cells[-1]), file=sys.stderr, flush=True)  # a long grid's progress
     ratios = [c["seconds_cost_vs_newest"] for c in cells]
     return {"workload": args.workload, "requests": len(requests), "seed": args.seed,
             "host_blocks": args.host_blocks, "weights": args.weights or "default",
