@@ -45,13 +45,12 @@ import numpy as np
 import xxhash
 
 from cache import BlockTable, KVCache, OutOfBlocksError
-from mmkv.preemption import POLICIES, CostWeights, Restore, rank_victims, restore_estimate
+from mmkv.preemption import POLICIES, CostWeights, Restore, RestoreSpeeds, rank_victims, restore_estimate
 from mmkv.sequence import Sequence, Status
 
 if TYPE_CHECKING:
     from vision import VisionPipeline
     from mmkv.image_kv import CrossAttentionKV
-    from mmkv.restore_speeds import RestoreSpeeds
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 

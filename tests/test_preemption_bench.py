@@ -32,7 +32,8 @@ def test_every_pool_and_mode_runs_both_policies_to_equal_outputs():
                 assert c[f"swapped_bytes_{policy}"] == 0 and c[f"preemptions_swap_{policy}"] == 0
         assert c["recomputed_tokens_cost_vs_newest"] >= 0 and c["seconds_cost_vs_newest"] > 0
     ratios = [c["seconds_cost_vs_newest"] for c in cells]
-    assert (result["seconds_cost_vs_newest_min"], result["seconds_cost_vs_newest_max"]) == (min(ratios), max(ratios))
+    assert result["seconds_cost_vs_newest_min"] == min(ratios)
+    assert result["seconds_cost_vs_newest_max"] == max(ratios)
     assert result["restore_speeds"]["flops"] > 0
 
 
