@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 if TYPE_CHECKING:
     from cache import KVCache
-    from mmkv.restore_speeds import RestoreSpeeds
     from mmkv.sequence import Sequence
 
 POLICIES = ("cost", "newest")
@@ -66,6 +65,24 @@ def rank_victims(candidates: list[Sequence], policy: str, weights: CostWeights,
         return sorted(candidates, key=lambda s: (-s.params.priority, -s.arrival))
     costs = {s.seq_id: preemption_cost(s, restore(s), now, weights) for s in candidates}
     return sorted(candidates, key=lambda s: (-s.params.priority, costs[s.seq_id], -s.arrival))
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreSpeeds:
+    """What bringing a preempted sequence back costs on a machine: recomputing ``flops`` FLOP/s of
+    ``text_rebuild_flops``; swapping ``swap_latency`` seconds plus ``swap_block_seconds`` per
+    block, out and back in (``math.inf`` per block when there is no host tier)."""
+
+    flops: float
+    swap_latency: float
+    swap_block_seconds: float
+
+    def __post_init__(self) -> None:
+        if not self.flops > 0:
+            raise ValueError(f"RestoreSpeeds.flops must be > 0, got {self.flops}")
+        if not (self.swap_latency >= 0 and self.swap_block_seconds > 0):
+            raise ValueError(f"RestoreSpeeds swap figures must be >= 0 and > 0, got "
+                             f"{self.swap_latency} and {self.swap_block_seconds}")
 
 
 class Restore(NamedTuple):

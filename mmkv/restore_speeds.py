@@ -12,19 +12,19 @@ Each figure takes the fastest of its timings (``PREFILL_REPEATS`` and ``SWAP_REP
 untimed run that pays whatever a first call pays), the least disturbed by other work. The
 measurement leaves the cache as it found it: its blocks are freed, nothing enters the radix tree,
 and the host slots it used are free again. A decision made from these speeds is tested with
-speeds a test states (``RestoreSpeeds``), never with a live measurement.
+speeds a test states (``mmkv.preemption.RestoreSpeeds``), never with a live measurement.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from cache import BlockTable
+from mmkv.preemption import RestoreSpeeds
 from mmkv.sampling_params import SamplingParams
 from mmkv.scheduler import ScheduledBatch
 from mmkv.sequence import Sequence
@@ -37,24 +37,6 @@ PREFILL_TOKENS = 64  # the timed prefill's length (fewer when the pool holds few
 SWAP_BLOCKS = 8  # the longer timed round trip's blocks (fewer when the pool or host tier holds fewer)
 PREFILL_REPEATS = 3  # timed prefills; the fastest counts
 SWAP_REPEATS = 10  # timed round trips of each length; the fastest counts
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreSpeeds:
-    """What bringing a preempted sequence back costs on a machine: recomputing ``flops`` FLOP/s of
-    ``text_rebuild_flops``; swapping ``swap_latency`` seconds plus ``swap_block_seconds`` per
-    block, out and back in (``math.inf`` per block when there is no host tier)."""
-
-    flops: float
-    swap_latency: float
-    swap_block_seconds: float
-
-    def __post_init__(self) -> None:
-        if not self.flops > 0:
-            raise ValueError(f"RestoreSpeeds.flops must be > 0, got {self.flops}")
-        if not (self.swap_latency >= 0 and self.swap_block_seconds > 0):
-            raise ValueError(f"RestoreSpeeds swap figures must be >= 0 and > 0, got "
-                             f"{self.swap_latency} and {self.swap_block_seconds}")
 
 
 MEASURED: dict[tuple, RestoreSpeeds] = {}  # this process's measurements, by kind of engine

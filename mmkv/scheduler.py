@@ -52,13 +52,12 @@ import xxhash
 
 from cache import BlockTable, KVCache, OutOfBlocksError
 from mmkv.encoder_queue import EncoderQueue
-from mmkv.preemption import POLICIES, CostWeights, Restore, rank_victims, restore_estimate
+from mmkv.preemption import POLICIES, CostWeights, Restore, RestoreSpeeds, rank_victims, restore_estimate
 from mmkv.sequence import Sequence, Status
 
 if TYPE_CHECKING:
     from vision import VisionPipeline
     from mmkv.image_kv import CrossAttentionKV
-    from mmkv.restore_speeds import RestoreSpeeds
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 ENCODER_WAIT = 0.05  # seconds a step with nothing else to run waits for an image's encoding

@@ -17,8 +17,7 @@ import mmkv.restore_speeds as restore_speeds
 import mmkv.scheduler as scheduler_module
 
 from cache import KVCache, KVLayout
-from mmkv.preemption import CostWeights, preemption_cost, rank_victims, restore_estimate
-from mmkv.restore_speeds import RestoreSpeeds
+from mmkv.preemption import CostWeights, RestoreSpeeds, preemption_cost, rank_victims, restore_estimate
 from mmkv.sampling_params import SamplingParams
 from mmkv.scheduler import Scheduler, SchedulerConfig
 from mmkv.sequence import Sequence
@@ -252,13 +251,16 @@ def test_a_slower_machine_gives_recomputation_more_weight_than_a_repeat():
     (``repeat`` 1 s). At 1e11 FLOP/s the fresh one costs 0.16 s and the other 1.04 s: the fresh
     one goes. At 1e10 FLOP/s the fresh one costs 1.6 s and the other 1.4 s: the other goes."""
     scheduler = make_scheduler(16, "cost")
-    fresh, again = sequence(prompt=16, arrival_time=10.0), sequence(prompt=4, preemptions=1, arrival_time=10.0)
+    fresh = sequence(prompt=16, arrival_time=10.0)
+    again = sequence(prompt=4, preemptions=1, arrival_time=10.0)
     for seq in (fresh, again):
         scheduler.add(seq)
     run_step(scheduler)
     for flops, victim in ((1e11, fresh), (1e10, again)):
         speeds = RestoreSpeeds(flops=flops, swap_latency=1e-4, swap_block_seconds=1e-4)
-        restore = lambda s: restore_estimate(s, scheduler.kv, "recompute", scheduler.rebuild_flops, speeds).seconds
+        def restore(s: Sequence) -> float:
+            return restore_estimate(s, scheduler.kv, "recompute", scheduler.rebuild_flops, speeds).seconds
+
         assert rank_victims([fresh, again], "cost", WEIGHTS, restore, 10.0)[0] is victim, flops
     for seq in (fresh, again):
         scheduler.finish(seq)

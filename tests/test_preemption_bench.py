@@ -32,7 +32,8 @@ def test_every_pool_and_mode_runs_both_policies_to_equal_outputs():
                 assert c[f"swapped_bytes_{policy}"] == 0 and c[f"preemptions_swap_{policy}"] == 0
         assert c["recomputed_tokens_cost_vs_newest"] >= 0 and c["seconds_cost_vs_newest"] > 0
     ratios = [c["seconds_cost_vs_newest"] for c in cells]
-    assert (result["seconds_cost_vs_newest_min"], result["seconds_cost_vs_newest_max"]) == (min(ratios), max(ratios))
+    assert result["seconds_cost_vs_newest_min"] == min(ratios)
+    assert result["seconds_cost_vs_newest_max"] == max(ratios)
     assert result["restore_speeds"]["flops"] > 0
 
 
@@ -53,11 +54,11 @@ def test_the_mixed_lengths_workload_is_drawn_from_its_seed():
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("--kv-blocks", "120,0", "expected positive integers such as 120,160, got '120,0'"),
+    ("--kv-blocks", "8,0", "expected positive integers such as 120,160, got '8,0'"),
     ("--preemption", "auto,later", "preemption modes are auto, swap, recompute; got 'auto,later'"),
     ("--workload", "uniform", "invalid choice: 'uniform'"),
 ])
 def test_bad_options_are_refused_naming_what_is_allowed(option, value, message, capsys):
     with pytest.raises(SystemExit):
-        bench("preemption", option, value)
+        bench("preemption", "--long", "1", "--long-prompt", "8", "--short", "1", *TINY, option, value)
     assert message in capsys.readouterr().err

@@ -5,11 +5,11 @@ request every ``--every`` engine steps in an order drawn from ``--seed``: ``long
 ``--long`` requests with long prompts and short answers and ``--short`` requests with short prompts
 and long answers; ``mixed-lengths`` mixes 10 prompts of 270-330 tokens with 4-16-token answers
 and 10 of 24-36 tokens with 120-200-token answers. A cell is one device pool of ``--kv-blocks``
-(each far too small for the batch) and one preemption mode of ``--preemption``, with a host tier
+(only a pool below what the workload holds at its peak preempts) and one preemption mode of ``--preemption``, with a host tier
 of ``--host-blocks``. In each cell both policies serve the same arrivals on fresh engines,
-alternating for ``--repeats`` rounds (and which goes first alternates from cell to cell; the first run of the process, uncounted, settles it); each
-figure is the median of its policy's rounds. Greedy outputs must be equal across every run
-(preemption never changes an output).
+alternating for ``--repeats`` rounds (which one goes first alternates from cell to cell too; the
+first run of the process, uncounted, settles it); each figure is the median of its policy's
+rounds. Greedy outputs must be equal across every run (preemption never changes an output).
 
 Per cell and policy: seconds (first arrival to last output), ``recomputed_tokens`` (tokens
 computed again at positions a sequence had computed before it was preempted), ``swapped_bytes``,
@@ -18,13 +18,16 @@ one request; ``recomputed_tokens_cost_vs_newest`` and ``swapped_bytes_cost_vs_ne
 the medians, and ``seconds_cost_vs_newest``, the median over rounds of each round's ratio (the two
 runs of a round are seconds apart, so the machine's drift between rounds cancels). Over the cells:
 the least and the most ``seconds_cost_vs_newest``, and the restore speeds the engines measured.
+Each cell's figures go to stderr as one JSON line when it is done.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -156,6 +159,7 @@ def run(args: argparse.Namespace) -> dict:
                         outputs.append(outs)
                         runs[policy].append(figs)
                 cells.append(cell(blocks, mode, runs))
+                print(json.dumps(cells[-1]), file=sys.stderr, flush=True)  # a long grid's progress
     ratios = [c["seconds_cost_vs_newest"] for c in cells]
     return {"workload": args.workload, "requests": len(requests), "seed": args.seed,
             "host_blocks": args.host_blocks, "weights": args.weights or "default",
