@@ -48,7 +48,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         help="which cached blocks are evicted first")
     engine.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"),
                         help="how a preempted sequence's KV is kept: auto picks the cheaper")
-    engine.add_argument("--preemption-policy", default="cost", choices=POLICIES,
+    engine.add_argument("--preemption-policy", default="newest", choices=POLICIES,
                         help="which running sequence gives way when the pool is full")
     engine.add_argument("--speculative", choices=("early_exit", "draft_model"),
                         help="speculative decoding (default: none)")

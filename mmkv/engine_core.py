@@ -61,7 +61,7 @@ class EngineCore:
                  host_kv_memory: str | int = "1GiB", max_model_len: int | None = None,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  enable_prefix_caching: bool = True, eviction_policy: str = "lru",
-                 preemption: str = "auto", preemption_policy: str = "cost",
+                 preemption: str = "auto", preemption_policy: str = "newest",
                  preemption_weights: CostWeights | None = None,
                  speculative: SpeculativeConfig | None = None,
                  attention_backend: str | AttentionBackend = "auto", kv_cache_dtype: str = "auto",

@@ -3,7 +3,9 @@
 Priority comes first: a sequence is never preempted while one of a lower priority class (a higher
 ``priority`` value) is a candidate. Within the lowest class a policy ranks the candidates:
 
-* ``"newest"``: the latest arrival first (vLLM's rule).
+* ``"newest"``: the latest arrival first (vLLM's rule; the default: over the preemption bench's
+  grid of pools, ``"cost"`` preempted more often and recomputed more prompt tokens under
+  ``"recompute"``, and swapped more bytes under ``"auto"``).
 * ``"cost"``: the one whose preemption costs least, in seconds::
 
       cost = restore + wait * waited + progress * generated + repeat * preempted

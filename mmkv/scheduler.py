@@ -6,7 +6,7 @@ Order of work in a step, under a budget of ``max_num_batched_tokens``:
    chunk (one token when decoding, up to the remaining budget when prefilling; long prompts are
    prefilled in chunks). When the pool cannot hold a chunk, the running sequences are ranked by
    the preemption policy (``mmkv.preemption``: the lowest priority class first, within it the
-   cheapest to preempt, or the newest) and preempted in that order until the chunk fits, possibly
+   newest, the default, or the cheapest to preempt) and preempted in that order until the chunk fits, possibly
    the sequence itself; one scheduled earlier in the step leaves the batch. The cost, in seconds,
    is ``restore + wait * waited + progress * generated + repeat * preempted`` (``restore`` below;
    ``waited`` seconds since arrival; ``generated`` tokens; ``preempted`` times so far; the
@@ -69,7 +69,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     preemption: str = "auto"
     enable_prefix_caching: bool = True
-    preemption_policy: str = "cost"
+    preemption_policy: str = "newest"
     preemption_weights: CostWeights = field(default_factory=CostWeights)
 
     def __post_init__(self) -> None:
