@@ -444,14 +444,18 @@ def test_paired_speedup_compares_runs_of_the_same_round():
             spec_bench.paired(base, seconds, engines)
 
 
-def test_a_benchmark_whose_outputs_differ_exits_non_zero(monkeypatch, capsys):
-    differing = types.SimpleNamespace(__doc__="a benchmark whose outputs differ",
-                                      add_arguments=lambda parser: None,
-                                      run=lambda args: {"outputs_equal": False, "speedup": 9.0})
-    monkeypatch.setitem(bench_main.BENCHMARKS, "differing", differing)
-    with pytest.raises(SystemExit, match="outputs differ"):
-        bench_main.main(["differing", "--json"])
-    assert json.loads(capsys.readouterr().out.splitlines()[-1])["outputs_equal"] is False
+@pytest.mark.parametrize("check, message", [("outputs_equal", "outputs differ"),
+                                            ("all_outputs_valid", "all_outputs_valid is false")])
+def test_a_benchmark_whose_outputs_fail_a_check_exits_non_zero(monkeypatch, capsys, check, message):
+    """Outputs that differ from the peer's, or a constrained output that breaks its schema
+    (``all_outputs_valid``): the speed figure beside them means nothing, so the command fails."""
+    failing = types.SimpleNamespace(__doc__=f"a benchmark whose {check} is false",
+                                    add_arguments=lambda parser: None,
+                                    run=lambda args: {check: False, "speedup": 9.0})
+    monkeypatch.setitem(bench_main.BENCHMARKS, "failing", failing)
+    with pytest.raises(SystemExit, match=message):
+        bench_main.main(["failing", "--json"])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])[check] is False
 
 
 def test_serve_bench_drives_both_servers_to_equal_answers():
@@ -507,13 +511,3 @@ def test_structured_bench_reports_the_schemas_cost_and_that_every_output_validat
         assert result[field] > 0, field
 
 
-def test_a_benchmark_with_an_invalid_constrained_output_exits_non_zero(monkeypatch, capsys):
-    """``all_outputs_valid`` is one of the exit checks, as ``outputs_equal`` is: the structured
-    bench's speed figure over an output that breaks its schema means nothing."""
-    invalid = types.SimpleNamespace(__doc__="a benchmark with an invalid constrained output",
-                                    add_arguments=lambda parser: None,
-                                    run=lambda args: {"all_outputs_valid": False, "speedup": 0.9})
-    monkeypatch.setitem(bench_main.BENCHMARKS, "invalid", invalid)
-    with pytest.raises(SystemExit, match="all_outputs_valid is false"):
-        bench_main.main(["invalid", "--json"])
-    assert json.loads(capsys.readouterr().out.splitlines()[-1])["all_outputs_valid"] is False
