@@ -20,7 +20,7 @@ from mmkv import SamplingParams
 from mmkv.distributed import serve_app
 from mmkv.cli import add_serve_arguments
 from mmkv.synthetic import scene_prompt
-from server_harness import (MODEL_NAME, REPORT_QUESTIONS, bundled_engine, free_socket, png_data_url, report_chat,
+from server_harness import (MODEL_NAME, REPORT_QUESTIONS, bundled_engine, free_socket, report_chat,
                             report_prompt, scene_chat, scenes_and_reports)
 
 QUESTIONS = ("how many shapes are there?", "describe the scene.", "what is at the centre?",
@@ -149,16 +149,32 @@ def test_refused_requests_get_400_with_the_reason(url):
 
 
 def test_health_fails_while_a_replica_is_down(url):
-    """Runs last: a replica killed (SIGKILL) stops reporting, and /health turns 503."""
+    """Runs last: a replica killed (SIGKILL) stops reporting, and /health turns 503. The replicas
+    are this test process's descendants: another test run's cluster on the machine is left alone."""
     assert httpx.get(f"{url}/health").status_code == 200
     replica = b"ray::ServeReplica:mmkv:EngineReplica"  # the process title Ray gives a replica
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _title(p).startswith(replica)]
+    pids = [int(p) for p in os.listdir("/proc")
+            if p.isdigit() and _title(p).startswith(replica) and _descends_from(p, os.getpid())]
     assert len(pids) == 2
     os.kill(pids[0], signal.SIGKILL)
     deadline = time.monotonic() + 30
     while httpx.get(f"{url}/health").status_code == 200:
         assert time.monotonic() < deadline, "/health stayed 200 with a replica dead"
         time.sleep(0.2)
+
+
+def _descends_from(pid: str, ancestor: int) -> bool:
+    """Whether process ``pid`` is a descendant of process ``ancestor`` (this cluster's raylet and
+    its workers are the test process's: ``ray.init`` started them)."""
+    while pid not in ("0", "1"):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = stat.rsplit(")", 1)[1].split()[1]  # the parent's id follows the state
+        if int(pid) == ancestor:
+            return True
+    return False
 
 
 def _title(pid: str) -> bytes:
