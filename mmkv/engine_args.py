@@ -32,6 +32,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                              "token and head) or fp8_e4m3: 2-4x the tokens in the same memory")
     engine.add_argument("--kv-cache-dtype-layers", type=layer_list, default=None,
                         help="decoder layers whose K/V stay in the model's dtype, e.g. 0,7")
+    engine.add_argument("--quantization", choices=("int8", "int4"),
+                        help="quantize the linear layers' weights while loading: int8 (a scale per "
+                             "output channel) or int4 (a scale and offset per group of inputs)")
+    engine.add_argument("--quantization-group-size", type=int, default=32,
+                        help="inputs per int4 group (default 32)")
+    engine.add_argument("--quantize-lm-head", action="store_true",
+                        help="quantize the LM head too (to int8)")
+    engine.add_argument("--draft-quantization", choices=("int8", "int4"),
+                        help="quantize the draft model of --speculative draft_model")
     engine.add_argument("--max-num-seqs", type=int, default=256, help="sequences one step runs")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="tokens one step computes (long prompts are prefilled in chunks)")
@@ -74,14 +83,17 @@ def engine_options(args: argparse.Namespace) -> dict:
         options = dict(BUNDLED_SPECULATION) if args.model == BUNDLED_MODEL else {}
         if args.num_speculative_tokens is not None:
             options["num_tokens"] = args.num_speculative_tokens
-        speculative = SpeculativeConfig(method=args.speculative, draft_model=args.draft_model, **options)
+        speculative = SpeculativeConfig(method=args.speculative, draft_model=args.draft_model,
+                                        draft_quantization=args.draft_quantization, **options)
     return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                 device=args.device, dtype=args.dtype, host_kv_memory=args.host_kv_memory,
                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                 eviction_policy=args.eviction_policy, preemption=args.preemption,
                 preemption_policy=args.preemption_policy, speculative=speculative,
-                kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_layers=args.kv_cache_dtype_layers)
+                kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_layers=args.kv_cache_dtype_layers,
+                quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+                quantize_lm_head=args.quantize_lm_head)
 
 
 def layer_list(text: str) -> list[int]:

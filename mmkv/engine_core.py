@@ -32,6 +32,7 @@ from mmkv.outputs import RequestOutput
 from mmkv.postprocess import Postprocessor
 from mmkv.preemption import CostWeights
 from mmkv.preparer import PreparedRequest, Prompt, RequestPreparer
+from mmkv.quantization import Quantization
 from mmkv.request_table import RequestTable
 from mmkv.restore_speeds import measured_restore_speeds
 from mmkv.runner import AttentionPlanning, ModelRunner
@@ -52,6 +53,11 @@ class EngineCore:
     (``cache.kv_format``; the layers of ``kv_cache_dtype_layers`` stay in the model's dtype):
     ``kv_cache_memory`` then holds about 2x (of bfloat16) to 4x (of float32) the tokens, and the
     output is the model's over the compressed K/V, no longer token for token transformers'.
+    With ``quantization`` ``"int8"`` or ``"int4"`` every linear layer of the language model (and
+    a vision projector) is quantized while it loads (``mmkv.quantization``; int4 in groups of
+    ``quantization_group_size`` inputs; the LM head too, to int8, with ``quantize_lm_head``): the
+    output is then that quantized model's, token for token transformers' on the dequantized
+    weights.
     """
 
     attention_planning: ClassVar[AttentionPlanning] = AttentionPlanning()
@@ -65,12 +71,19 @@ class EngineCore:
                  preemption_weights: CostWeights | None = None,
                  speculative: SpeculativeConfig | None = None,
                  attention_backend: str | AttentionBackend = "auto", kv_cache_dtype: str = "auto",
-                 kv_cache_dtype_layers: Seq[int] | None = None, debug: bool = False) -> None:
+                 kv_cache_dtype_layers: Seq[int] | None = None, quantization: str | None = None,
+                 quantization_group_size: int = 32, quantize_lm_head: bool = False,
+                 debug: bool = False) -> None:
         device = resolve_device(device)
-        self.model = load_model(model, device, dtype)
+        weights = (None if quantization is None else
+                   Quantization(quantization, quantization_group_size, quantize_lm_head))
+        self.model = load_model(model, device, dtype, weights)
         draft = None
         if speculative is not None and speculative.method == "draft_model":
-            draft = load_model(speculative.draft_model, device, self.model.dtype)
+            draft_weights = (None if speculative.draft_quantization is None else
+                             Quantization(speculative.draft_quantization, quantization_group_size))
+            draft = load_model(speculative.draft_model, device, self.model.dtype, draft_weights)
+        self.weight_bytes = self.model.weight_bytes + (0 if draft is None else draft.weight_bytes)
         layouts = [self.model.kv_layout(block_size, kv_cache_dtype, kv_cache_dtype_layers or ())]
         if draft is not None:
             layouts.append(draft.kv_layout(block_size, kv_cache_dtype))
@@ -277,6 +290,7 @@ class EngineCore:
             "blocks_total": pool.num_blocks,
             "kv_pool_tokens": pool.num_blocks * self.kv.block_size,
             "kv_pool_bytes": self.kv.storage.device_bytes,
+            "weight_bytes": self.weight_bytes,
             "kv_bytes_per_token": self.kv.bytes_per_block // self.kv.block_size,
             "blocks_in_use": pool.num_in_use,
             "blocks_evictable": pool.num_evictable,

@@ -22,7 +22,8 @@ class SpeculativeConfig:
     (every sequence drafting its limit) or the step decodes plainly; ``"fixed"``: every round
     drafts ``num_tokens``. With ``adaptive_threshold`` a round also stops a sequence's
     drafting once the draft's top probability falls below it. ``settings``: the controller's
-    tunable constants (``speculative.controller.Settings``).
+    tunable constants (``speculative.controller.Settings``). ``draft_quantization``
+    (``"int8"``/``"int4"``): the draft model's linear layers quantized, whatever the target's.
     """
 
     method: str = "early_exit"
@@ -32,6 +33,7 @@ class SpeculativeConfig:
     adaptive_threshold: float | None = None
     draft_length: str = "auto"
     settings: Settings = field(default_factory=Settings)
+    draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -44,5 +46,10 @@ class SpeculativeConfig:
             raise ValueError(f"draft_length must be one of {DRAFT_LENGTHS}, got {self.draft_length!r}")
         if not isinstance(self.settings, Settings):
             raise ValueError(f"settings must be a speculative.controller.Settings, got {self.settings!r}")
+        if self.draft_quantization is not None and self.method != "draft_model":
+            raise ValueError("draft_quantization applies to method 'draft_model' only (early exit "
+                             "drafts with the target's own layers)")
+        if self.draft_quantization not in (None, "int8", "int4"):
+            raise ValueError(f"draft_quantization must be int8, int4 or None, got {self.draft_quantization!r}")
         if self.adaptive_threshold is not None and not 0 < self.adaptive_threshold < 1:
             raise ValueError(f"adaptive_threshold must be in (0, 1), got {self.adaptive_threshold}")

@@ -15,27 +15,30 @@ from mmkv.models.llava import LlavaAdapter, load_llava
 from mmkv.models.mmkv_vlm import MODEL_TYPE as MMKV_VLM, MmkvVLM, load_mmkv_vlm
 from mmkv.models.mrope import MRopePositions
 from mmkv.models.qwen_vl import QWEN_VL_FAMILIES, QwenVLAdapter, load_qwen_vl
+from mmkv.quantization import Quantization
 
 FAMILIES = (*TEXT_FAMILIES, "llava", "mllama", *QWEN_VL_FAMILIES, MMKV_VLM)
 
 
-def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype) -> ModelAdapter:
-    """Load the model in ``path`` (Hugging Face layout) for ``device``; ``ModelLoadError`` when
-    the directory is missing, corrupt or of a family mmkv does not serve."""
+def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype,
+               quantization: Quantization | None = None) -> ModelAdapter:
+    """Load the model in ``path`` (Hugging Face layout) for ``device``, its linear layers
+    quantized as ``quantization`` says (``mmkv.quantization``); ``ModelLoadError`` when the
+    directory is missing, corrupt or of a family mmkv does not serve."""
     path = Path(path)
     raw = read_config_json(path)
     family = raw["model_type"]
     hf_logging.disable_progress_bar()
     if family in TEXT_FAMILIES:
-        return load_causal_lm(path, device, dtype)
+        return load_causal_lm(path, device, dtype, quantization)
     if family == "llava":
-        return load_llava(path, device, dtype)
+        return load_llava(path, device, dtype, quantization)
     if family == "mllama":
-        return load_mllama(path, device, dtype)
+        return load_mllama(path, device, dtype, quantization)
     if family in QWEN_VL_FAMILIES:
-        return load_qwen_vl(path, family, device, dtype)
+        return load_qwen_vl(path, family, device, dtype, quantization)
     if family == MMKV_VLM:
-        return load_mmkv_vlm(path, raw, device, dtype)
+        return load_mmkv_vlm(path, raw, device, dtype, quantization)
     raise ModelLoadError(f"model type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
 
 

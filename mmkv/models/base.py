@@ -24,7 +24,9 @@ from transformers import AttentionInterface, AutoConfig, PretrainedConfig
 from cache import KVLayout
 from cache.kv_format import check_head_dim, storage_dtype
 from mmkv.models.fused_layer import FusedDecoderLayer, norm_function, rotation_signs
-from mmkv.models.packed_linear import PackedLinear, make_linear, release
+from mmkv.models.packed_linear import PackedLinear, PlainLinear, make_linear, release
+from mmkv.quantization import Quantization, QuantizedLinear, QuantizedLinearModule
+from mmkv.quantization.formats import quantize_int8
 from mmkv.models.mrope import MRopePositions
 from mmkv.step_context import StepContext
 from vision import PreparedImage, VisionPipeline
@@ -80,6 +82,23 @@ def load_hf_config(path: str | Path) -> PretrainedConfig:
         raise ModelLoadError(f"{Path(path) / 'config.json'} is not a valid model config: {err}") from err
 
 
+def parameter_count(module: torch.nn.Module) -> int:
+    """The weights a module computes with (a quantized layer's ``in x out``, not its codes)."""
+    quantized = [m for m in module.modules() if isinstance(m, QuantizedLinearModule)]
+    codes = {id(m.weight) for m in quantized}
+    return (sum(p.numel() for p in module.parameters() if id(p) not in codes)
+            + sum(m.in_features * m.out_features for m in quantized))
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, each storage counted once (quantized layers
+    at their codes, scales and offsets)."""
+    storages = {}
+    for t in (*module.parameters(), *module.buffers()):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -129,18 +148,21 @@ class ModelAdapter:
     image_markup: str | None = None  # the text "<image>" stands for (default: the image token)
     chat_questions: bool = False  # ask() puts each question in the model's chat template
     early_exit_layer: int | None = None  # layers trained to draft through the final head
+    quantization: Quantization | None = None  # how the linear layers were quantized at load
 
     def __post_init__(self) -> None:
         self.model.to(self.device).eval()
+        self.weight_bytes = tensor_bytes(self.model)
         c = self.text_config
         self.num_layers = c.num_hidden_layers
         self.sliding_window: int | None = getattr(c, "sliding_window", None)
         self.max_model_len: int = c.max_position_embeddings
         self.vocab_size: int = c.vocab_size
-        self.num_parameters = sum(p.numel() for p in self.model.parameters())
-        text = {id(p) for m in (self.text_model, self.lm_head) for p in m.parameters()}
-        self._layer_parameters = sum(p.numel() for p in self.text_model.layers.parameters())
-        self._vision_parameters = sum(p.numel() for p in self.model.parameters() if id(p) not in text)
+        self.num_parameters = parameter_count(self.model)
+        self._layer_parameters = parameter_count(self.text_model.layers)
+        self._vision_parameters = self.num_parameters - parameter_count(self.text_model) - (
+            0 if self.lm_head.weight is self.text_model.embed_tokens.weight
+            else parameter_count(self.lm_head))
         self_layers = [i for i in range(self.num_layers) if i not in self.cross_layers]
         slots = {layer: slot for slot, layer in enumerate(self_layers)}
         slots.update({layer: j for j, layer in enumerate(self.cross_layers)})
@@ -151,16 +173,29 @@ class ModelAdapter:
         self.pack_weights = self.device.type == "cpu" and os.environ.get("MMKV_PACK_WEIGHTS", "1") != "0"
         self.fused = {i: FusedDecoderLayer(self.text_model.layers[i], self.pack_weights)
                       for i in self_layers if FusedDecoderLayer.supports(self.text_model.layers[i])}
-        head = self.lm_head
-        self.head = make_linear(head.weight, head.bias, self.pack_weights)
-        if isinstance(self.head, PackedLinear) and head.weight is not self.text_model.embed_tokens.weight:
-            release(head)
+        self.head = self.make_head()
         self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
         # (the rotary table it was made from, cos and signed sine [positions, 2, head_dim])
         self._rotation_table: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.final_norm = norm_function(self.text_model.norm)
         embedding = self.text_model.embed_tokens  # a lookup without the module call, where it is one
         self._embedding = embedding if type(embedding) is torch.nn.Embedding and embedding.max_norm is None else None
+
+    def make_head(self) -> PackedLinear | PlainLinear | QuantizedLinear:
+        """The LM head as it runs: quantized to int8 when ``quantization.lm_head`` asks (the
+        module's own weight released unless the embeddings share it), else packed or plain."""
+        head = self.lm_head
+        tied = head.weight is self.text_model.embed_tokens.weight
+        if self.quantization is not None and self.quantization.lm_head:
+            linear = QuantizedLinear(quantize_int8(head.weight), head.bias)
+            self.weight_bytes += linear.nbytes - (0 if tied else head.weight.nbytes)
+        else:
+            linear = make_linear(head.weight, head.bias, self.pack_weights)
+            if not isinstance(linear, PackedLinear):
+                return linear
+        if not tied:
+            release(head)
+        return linear
 
     # -- layout ---------------------------------------------------------------------------------
     @property

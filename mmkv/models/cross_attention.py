@@ -17,6 +17,7 @@ from transformers import AutoImageProcessor, MllamaForConditionalGeneration
 from mmkv.models.base import (ATTENTION_NAME, ImagePlacement, ModelAdapter, load_hf_config,
                               resolve_dtype)
 from mmkv.models.causal_lm import from_pretrained
+from mmkv.quantization import Quantization
 from mmkv.models.fused_layer import FusedMLP, RMSNorm, fused_linear
 from mmkv.step_context import StepContext
 from vision import PreparedImage, ProcessorEncoder, VisionPipeline
@@ -87,10 +88,11 @@ class CrossLayerForward:
         return hidden + self.mlp_gate * mlp
 
 
-def load_mllama(path: Path, device: torch.device, dtype: str | torch.dtype) -> CrossAttentionAdapter:
+def load_mllama(path: Path, device: torch.device, dtype: str | torch.dtype,
+                quantization: Quantization | None = None) -> CrossAttentionAdapter:
     config = load_hf_config(path)
     dtype = resolve_dtype(dtype, config.text_config.dtype or config.dtype, device)
-    model = from_pretrained(MllamaForConditionalGeneration, path, dtype, ATTENTION)
+    model = from_pretrained(MllamaForConditionalGeneration, path, dtype, ATTENTION, quantization)
     inner = model.model
     hidden = model.config.text_config.hidden_size
 
@@ -105,6 +107,7 @@ def load_mllama(path: Path, device: torch.device, dtype: str | torch.dtype) -> C
     return CrossAttentionAdapter(
         model=model, text_model=inner.language_model, lm_head=model.lm_head,
         text_config=model.config.text_config, device=device, dtype=dtype,
+        quantization=quantization,
         cross_layers=tuple(model.config.text_config.cross_attention_layers),
         vision=VisionPipeline(encoder), image_token_id=model.config.image_token_index,
         question_template="<image>{question}",

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from mmkv import native
 from mmkv.models.packed_linear import PackedLinear, PlainLinear, make_linear, release
+from mmkv.quantization import QuantizedLinear, QuantizedLinearModule, concatenate
 from mmkv.step_context import StepContext
 
 SUPPORTED = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
@@ -130,10 +131,32 @@ def _concatenate(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Te
     return weight, bias
 
 
-def fused_linear(modules: list[torch.nn.Linear], pack: bool) -> PackedLinear | PlainLinear:
-    """One layer for several linear layers over the same input. Packed, it holds the only copy of
-    the weights (the modules' are released); plain, the modules' parameters become views of its
-    concatenated weight, so they still run and nothing is stored twice."""
+def fused_quantized(modules: list[QuantizedLinearModule]) -> QuantizedLinear:
+    """One quantized layer for several over the same input (of one layout): the modules' tensors
+    become views of its concatenated ones, so they still run and nothing is stored twice."""
+    if any(m.bias is not None for m in modules) and any(m.bias is None for m in modules):
+        raise ValueError("cannot fuse linear layers of which only some have a bias")
+    weight = concatenate([m.quantized for m in modules])
+    bias = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules])
+    start = 0
+    for m in modules:
+        n = m.out_features
+        for name, tensor in QuantizedLinearModule.state_of("", weight.rows(start, start + n)).items():
+            m.set_tensor(name.lstrip("."), tensor)
+        if bias is not None:
+            m.bias.data = bias[start:start + n]
+        start += n
+    return QuantizedLinear(weight, bias)
+
+
+def fused_linear(modules: list[torch.nn.Module],
+                 pack: bool) -> PackedLinear | PlainLinear | QuantizedLinear:
+    """One layer for several linear layers over the same input. Quantized layers fuse into one
+    quantized layer (``fused_quantized``). Packed, it holds the only copy of the weights (the
+    modules' are released); plain, the modules' parameters become views of its concatenated
+    weight, so they still run and nothing is stored twice."""
+    if all(isinstance(m, QuantizedLinearModule) for m in modules):
+        return fused_quantized(modules)
     weight, bias = _concatenate(modules)
     linear = make_linear(weight, bias, pack)
     if isinstance(linear, PackedLinear):
@@ -156,7 +179,7 @@ class FusedMLP:
     more than the split.)"""
 
     def __init__(self, mlp: torch.nn.Module, norm: torch.nn.Module, pack: bool) -> None:
-        intermediate = mlp.gate_proj.weight.shape[0]  # read before packing releases it
+        intermediate = mlp.gate_proj.out_features
         self.halves = [intermediate, intermediate]
         self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj], pack)
         self.down_proj = fused_linear([mlp.down_proj], pack)
@@ -192,9 +215,9 @@ class FusedDecoderLayer:
         self.split = [(self.num_heads + self.num_kv_heads) * self.head_dim,
                       self.num_kv_heads * self.head_dim]
         self.heads = [self.num_heads, self.num_kv_heads]
-        weight = attn.q_proj.weight  # read before packing releases it
+        norm = module.input_layernorm.weight  # in the model's dtype, on its device
         self.rope_write = (native.function("mmkv_rope_write", _ROPE_WRITE_ARGS, None)
-                           if weight.device.type == "cpu" and weight.dtype == torch.float32 else None)
+                           if norm.device.type == "cpu" and norm.dtype == torch.float32 else None)
         self.qkv = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
         self.o_proj = fused_linear([attn.o_proj], pack)
         self.mlp = FusedMLP(mlp, module.post_attention_layernorm, pack)

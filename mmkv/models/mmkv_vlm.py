@@ -31,6 +31,8 @@ from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_
 
 from mmkv.models.base import ModelLoadError, resolve_dtype
 from mmkv.models.cross_attention import CrossAttentionAdapter
+from mmkv.quantization import Quantization
+from mmkv.quantization.loading import quantize_loaded
 from vision import OpenClipEncoder, VisionPipeline, open_clip_vision_tower
 
 MODEL_TYPE = "mmkv_vlm"
@@ -114,9 +116,11 @@ class MmkvVLM(torch.nn.Module):
 
 
 def load_mmkv_vlm(path: Path, raw_config: dict[str, Any], device: torch.device,
-                  dtype: str | torch.dtype) -> CrossAttentionAdapter:
+                  dtype: str | torch.dtype, quantization: Quantization | None = None) -> CrossAttentionAdapter:
     dtype = resolve_dtype(dtype, raw_config["text_config"].get("dtype"), device)
     model = MmkvVLM.from_pretrained(path, dtype)
+    if quantization is not None:  # after loading: the file is read whole (a small model's)
+        quantize_loaded(model, quantization)
     lm = model.language_model
     lm.config._attn_implementation = "mmkv_paged"
     encoder = OpenClipEncoder(model.vision_tower, model.project, model.image_size,
@@ -127,5 +131,5 @@ def load_mmkv_vlm(path: Path, raw_config: dict[str, Any], device: torch.device,
         device=device, dtype=dtype, cross_layers=tuple(lm.config.cross_attention_layers),
         vision=VisionPipeline(encoder), image_token_id=int(raw_config["image_token_id"]),
         question_template=raw_config.get("question_template", "<image>{question}"),
-        early_exit_layer=raw_config.get("early_exit_layer"),
+        early_exit_layer=raw_config.get("early_exit_layer"), quantization=quantization,
         xattn_tokens_per_tile=patches, max_tiles=1)

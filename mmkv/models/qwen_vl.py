@@ -27,6 +27,7 @@ from transformers import (AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
 from mmkv.models.base import (ATTENTION_NAME, ImagePlacement, ModelAdapter, load_hf_config,
                               resolve_dtype)
 from mmkv.models.causal_lm import from_pretrained
+from mmkv.quantization import Quantization
 from mmkv.models.mrope import MRopePositions
 from mmkv.step_context import StepContext
 from vision import PreparedImage, ProcessorEncoder, VisionPipeline
@@ -99,11 +100,11 @@ class QwenVLAdapter(ModelAdapter):
         return hidden
 
 
-def load_qwen_vl(path: Path, family: str, device: torch.device,
-                 dtype: str | torch.dtype) -> QwenVLAdapter:
+def load_qwen_vl(path: Path, family: str, device: torch.device, dtype: str | torch.dtype,
+                 quantization: Quantization | None = None) -> QwenVLAdapter:
     config = load_hf_config(path)
     dtype = resolve_dtype(dtype, config.text_config.dtype or config.dtype, device)
-    model = from_pretrained(QWEN_VL_FAMILIES[family], path, dtype, ATTENTION)
+    model = from_pretrained(QWEN_VL_FAMILIES[family], path, dtype, ATTENTION, quantization)
     inner = model.model
 
     def features(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -118,6 +119,7 @@ def load_qwen_vl(path: Path, family: str, device: torch.device,
     return QwenVLAdapter(
         model=model, text_model=inner.language_model, lm_head=model.lm_head,
         text_config=model.config.text_config, device=device, dtype=dtype,
+        quantization=quantization,
         vision=VisionPipeline(encoder), image_token_id=model.config.image_token_id,
         image_markup=IMAGE_MARKUP, chat_questions=True, merge_size=vision.spatial_merge_size,
         deepstack_layers=len(getattr(vision, "deepstack_visual_indexes", None) or ()))

@@ -5,8 +5,10 @@ arithmetic on decode rows: ``paged_decode.c`` attends a decode batch over the pa
 place (``mmkv.attention.native``), ``rms_norm.c`` normalises float32 rows in one call
 (``mmkv.models.fused_layer.RMSNorm``: torch's ``rms_norm`` is six kernels on the CPU),
 ``rope_write.c`` rotates a fused layer's queries and keys and stores its K/V at the step's write
-slots, and ``top_tokens.c`` finds each row's argmax and its probability for greedy decoding and
-drafting (``mmkv.sampler.top_tokens``). What each measured: docs/attention-and-kernels.md.
+slots, ``top_tokens.c`` finds each row's argmax and its probability for greedy decoding and
+drafting (``mmkv.sampler.top_tokens``), and ``quantized_linear.c`` multiplies a few rows by an int8
+or int4 weight, decoding it in registers (``mmkv.quantization.linear``). What each measured:
+docs/attention-and-kernels.md.
 
 Building. The library is compiled on first use (a CPU engine asks for it when it starts) with the
 machine's C compiler (``-O3 -march=native -fopenmp``, OpenMP being the runtime torch's CPU build
@@ -71,7 +73,9 @@ import torch
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
-SYMBOLS = ("mmkv_paged_decode", "mmkv_rms_norm", "mmkv_rope_write", "mmkv_top_tokens")
+SYMBOLS = ("mmkv_paged_decode", "mmkv_rms_norm", "mmkv_rope_write", "mmkv_top_tokens",
+           "mmkv_int8_linear", "mmkv_int4_linear", "mmkv_int8_dequantize",
+           "mmkv_int4_dequantize")
 
 log = logging.getLogger(__name__)
 

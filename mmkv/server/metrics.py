@@ -25,6 +25,8 @@ GAUGES = {  # metric: (help, how to read it from engine stats)
                             "kv_pool_tokens"),
     "mmkv_kv_pool_bytes": ("Bytes of the device KV pool, compressed blocks' scales included",
                            "kv_pool_bytes"),
+    "mmkv_weight_bytes": ("Bytes of the model's weights as held (quantized layers at their codes, "
+                          "scales and offsets; a draft model's included)", "weight_bytes"),
 }
 COUNTERS = {  # metric (without _total): (help, stats keys summed)
     "mmkv_prompt_tokens": ("Prompt tokens submitted", ("prompt_tokens",)),

@@ -1,0 +1,285 @@
+/* Linear layers over quantized weights for a few rows (see mmkv/quantization/linear.py; built by
+ * mmkv/native): y[r][o] = bias[o] + sum_i x[r][i] * w[o][i], x and y float32, w in one of
+ * mmkv/quantization/formats.py's layouts, read once per call and decoded in registers.
+ *
+ *   int8: w[o][i] = codes[o][i] * scale[o]. The codes are widened to float32 and multiplied into
+ *         per-row accumulators; the channel's scale multiplies the finished sum.
+ *   int4: w[o][i] = q * scale[o][g] + offset[o][g] (g = i / group, float16 scale and offset),
+ *         two codes per byte (input 2j in the low nibble, 2j + 1 in the high one). A group's
+ *         weights are decoded to float32 once (q * scale + offset, fused) and used by every row,
+ *         whose inputs are split into even and odd ones first so the low and high nibbles of a
+ *         run of bytes meet their inputs in lane order.
+ *
+ * Work items are blocks of output channels (OpenMP, static): a block's codes stay in cache while
+ * every row of x (in tiles of up to four) passes over them, so each weight byte leaves memory
+ * once per call. Decoding is memory-bound: a step reads every weight once, and these kernels read
+ * a quarter (int8) or a little over an eighth (int4, group 32) of float32's bytes.
+ *
+ * Activations stay float32: no int8 dot product (VNNI) is used, since it would need the rows
+ * quantized too, and the layer would no longer compute x @ w.T of its dequantized weight.
+ */
+#include <omp.h>
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ROW_TILE 4
+#define CHANNEL_BLOCK 4
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0x1F) {
+        v.u = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent) {
+        v.u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else {  /* zero or subnormal: mantissa * 2^-24 */
+        v.f = (float)mantissa * 5.9604645e-8f;
+        v.u |= sign;
+    }
+    return v.f;
+#endif
+}
+
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec;
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vset1(v) _mm512_set1_ps(v)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vsum(v) _mm512_reduce_add_ps(v)
+/* sixteen int8 codes at p as float32 */
+#define vint8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+/* sixteen bytes at p as int32 lanes */
+#define vbytes(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define vlow(b) _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))
+#define vhigh(b) _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))
+#elif defined(__AVX2__)
+#define LANES 8
+typedef __m256 vec;
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vset1(v) _mm256_set1_ps(v)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline float vsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#define vint8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define vbytes(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define vlow(b) _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)))
+#define vhigh(b) _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))
+#endif
+
+/* ---- int8 ------------------------------------------------------------------------------------ */
+
+/* Channels [o, o + C) for rows [r, r + R) (C, R compile-time constants after inlining). */
+static inline __attribute__((always_inline)) void int8_tile(
+    const float *restrict x, int64_t in, const int8_t *restrict codes, const float *restrict scale,
+    const float *restrict bias, float *restrict y, int64_t out, int64_t o, int64_t r, const int C,
+    const int R) {
+    float total[CHANNEL_BLOCK][ROW_TILE];
+    int64_t i = 0;
+#if defined(LANES)
+    vec acc[CHANNEL_BLOCK][ROW_TILE];
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) acc[c][k] = vzero();
+    for (; i + LANES <= in; i += LANES) {
+        vec w[CHANNEL_BLOCK];
+        for (int c = 0; c < C; c++) w[c] = vint8(codes + (o + c) * in + i);
+        for (int k = 0; k < R; k++) {
+            const vec xv = vload(x + (r + k) * in + i);
+            for (int c = 0; c < C; c++) acc[c][k] = vfma(xv, w[c], acc[c][k]);
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) total[c][k] = vsum(acc[c][k]);
+#else
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) total[c][k] = 0.0f;
+#endif
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) {
+            float tail = 0.0f;
+            const int8_t *wc = codes + (o + c) * in;
+            const float *xr = x + (r + k) * in;
+#pragma omp simd reduction(+ : tail)
+            for (int64_t j = i; j < in; j++) tail += xr[j] * (float)wc[j];
+            const float b = bias ? bias[o + c] : 0.0f;
+            y[(r + k) * out + o + c] = (total[c][k] + tail) * scale[o + c] + b;
+        }
+}
+
+static void int8_channels(const float *x, int64_t rows, int64_t in, const int8_t *codes,
+                          const float *scale, const float *bias, float *y, int64_t out, int64_t o,
+                          const int C) {
+    int64_t r = 0;
+    for (; r + ROW_TILE <= rows; r += ROW_TILE) int8_tile(x, in, codes, scale, bias, y, out, o, r, C, 4);
+    switch (rows - r) {
+    case 3: int8_tile(x, in, codes, scale, bias, y, out, o, r, C, 3); break;
+    case 2: int8_tile(x, in, codes, scale, bias, y, out, o, r, C, 2); break;
+    case 1: int8_tile(x, in, codes, scale, bias, y, out, o, r, C, 1); break;
+    }
+}
+
+int mmkv_int8_linear(const float *x, int64_t rows, int64_t in, const int8_t *codes, const float *scale,
+                     const float *bias, float *y, int64_t out) {
+    const int64_t blocks = (out + CHANNEL_BLOCK - 1) / CHANNEL_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t o = b * CHANNEL_BLOCK;
+        if (o + CHANNEL_BLOCK <= out) {
+            int8_channels(x, rows, in, codes, scale, bias, y, out, o, CHANNEL_BLOCK);
+        } else {
+            for (int64_t c = o; c < out; c++) int8_channels(x, rows, in, codes, scale, bias, y, out, c, 1);
+        }
+    }
+    return 0;
+}
+
+/* ---- int4 ------------------------------------------------------------------------------------ */
+
+/* Channels [o, o + C) for rows [r, r + R); xs holds each row's even inputs then its odd ones
+ * (in / 2 each). */
+static inline __attribute__((always_inline)) void int4_tile(
+    const float *restrict xs, int64_t in, const uint8_t *restrict codes, const uint16_t *restrict scale,
+    const uint16_t *restrict offset, int64_t group, const float *restrict bias, float *restrict y,
+    int64_t out, int64_t o, int64_t r, const int C, const int R) {
+    const int64_t half = in / 2, groups = in / group, bytes = group / 2;
+    float total[CHANNEL_BLOCK][ROW_TILE];
+#if defined(LANES)
+    vec acc[CHANNEL_BLOCK][ROW_TILE];
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) acc[c][k] = vzero();
+    for (int64_t g = 0; g < groups; g++) {
+        vec s[CHANNEL_BLOCK], m[CHANNEL_BLOCK];
+        for (int c = 0; c < C; c++) {
+            s[c] = vset1(half_to_float(scale[(o + c) * groups + g]));
+            m[c] = vset1(half_to_float(offset[(o + c) * groups + g]));
+        }
+        for (int64_t j = g * bytes; j < (g + 1) * bytes; j += LANES) {
+            vec lo[CHANNEL_BLOCK], hi[CHANNEL_BLOCK];
+            for (int c = 0; c < C; c++) {
+                const uint8_t *p = codes + (o + c) * half + j;
+                _mm_prefetch((const char *)(p + 8 * bytes), _MM_HINT_T0);
+#if defined(__AVX512F__)
+                const __m512i b = vbytes(p);
+#else
+                const __m256i b = vbytes(p);
+#endif
+                lo[c] = vfma(vlow(b), s[c], m[c]);
+                hi[c] = vfma(vhigh(b), s[c], m[c]);
+            }
+            for (int k = 0; k < R; k++) {
+                const vec even = vload(xs + (r + k) * in + j), odd = vload(xs + (r + k) * in + half + j);
+                for (int c = 0; c < C; c++) acc[c][k] = vfma(odd, hi[c], vfma(even, lo[c], acc[c][k]));
+            }
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) total[c][k] = vsum(acc[c][k]);
+#else
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) {
+            float sum = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const float sc = half_to_float(scale[(o + c) * groups + g]);
+                const float mn = half_to_float(offset[(o + c) * groups + g]);
+                for (int64_t j = g * bytes; j < (g + 1) * bytes; j++) {
+                    const uint8_t q = codes[(o + c) * half + j];
+                    sum += xs[(r + k) * in + j] * ((float)(q & 15) * sc + mn);
+                    sum += xs[(r + k) * in + half + j] * ((float)(q >> 4) * sc + mn);
+                }
+            }
+            total[c][k] = sum;
+        }
+#endif
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) y[(r + k) * out + o + c] = total[c][k] + (bias ? bias[o + c] : 0.0f);
+}
+
+static void int4_channels(const float *xs, int64_t rows, int64_t in, const uint8_t *codes,
+                          const uint16_t *scale, const uint16_t *offset, int64_t group,
+                          const float *bias, float *y, int64_t out, int64_t o, const int C) {
+    int64_t r = 0;
+    for (; r + ROW_TILE <= rows; r += ROW_TILE)
+        int4_tile(xs, in, codes, scale, offset, group, bias, y, out, o, r, C, 4);
+    switch (rows - r) {
+    case 3: int4_tile(xs, in, codes, scale, offset, group, bias, y, out, o, r, C, 3); break;
+    case 2: int4_tile(xs, in, codes, scale, offset, group, bias, y, out, o, r, C, 2); break;
+    case 1: int4_tile(xs, in, codes, scale, offset, group, bias, y, out, o, r, C, 1); break;
+    }
+}
+
+/* Returns 0, or -1 (nothing computed) when a group is not a whole number of vector loads of
+ * bytes (2 * LANES inputs) or does not divide the inputs. */
+int mmkv_int4_linear(const float *x, int64_t rows, int64_t in, const uint8_t *codes,
+                     const uint16_t *scale, const uint16_t *offset, int64_t group, const float *bias,
+                     float *y, int64_t out) {
+#if defined(LANES)
+    if (group % (2 * LANES)) return -1;
+#endif
+    if (group < 2 || group % 2 || in % group) return -1;
+    const int64_t half = in / 2;
+    float *xs = malloc(sizeof(float) * rows * in);
+    if (!xs) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < half; j++) {
+            xs[r * in + j] = x[r * in + 2 * j];
+            xs[r * in + half + j] = x[r * in + 2 * j + 1];
+        }
+    const int64_t blocks = (out + CHANNEL_BLOCK - 1) / CHANNEL_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t o = b * CHANNEL_BLOCK;
+        if (o + CHANNEL_BLOCK <= out) {
+            int4_channels(xs, rows, in, codes, scale, offset, group, bias, y, out, o, CHANNEL_BLOCK);
+        } else {
+            for (int64_t c = o; c < out; c++)
+                int4_channels(xs, rows, in, codes, scale, offset, group, bias, y, out, c, 1);
+        }
+    }
+    free(xs);
+    return 0;
+}
+
+/* ---- dequantizing a whole weight (for many rows, multiplied by the float GEMM) ---------------- */
+
+/* w[o][i] = codes[o][i] * scale[o], float32 [out][in]. */
+int mmkv_int8_dequantize(const int8_t *codes, const float *scale, int64_t out, int64_t in, float *w) {
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        const float s = scale[o];
+#pragma omp simd
+        for (int64_t i = 0; i < in; i++) w[o * in + i] = (float)codes[o * in + i] * s;
+    }
+    return 0;
+}
+
+/* w[o][i] = q * scale[o][g] + offset[o][g], float32 [out][in]; -1 when group does not divide in. */
+int mmkv_int4_dequantize(const uint8_t *codes, const uint16_t *scale, const uint16_t *offset,
+                         int64_t group, int64_t out, int64_t in, float *w) {
+    if (group < 2 || group % 2 || in % group) return -1;
+    const int64_t groups = in / group, bytes = group / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float s = half_to_float(scale[o * groups + g]), m = half_to_float(offset[o * groups + g]);
+            const uint8_t *q = codes + o * (in / 2) + g * bytes;
+            float *row = w + o * in + g * group;
+#pragma omp simd
+            for (int64_t j = 0; j < bytes; j++) {
+                row[2 * j] = (float)(q[j] & 15) * s + m;
+                row[2 * j + 1] = (float)(q[j] >> 4) * s + m;
+            }
+        }
+    return 0;
+}

@@ -1,0 +1,169 @@
+"""How mmkv stores a quantized linear weight, and the one rule that turns it back into floats.
+
+Two layouts, both weight-only (activations stay in the model's dtype):
+
+- ``Int8Weight``: symmetric, one scale per output channel. ``codes`` int8 ``[out, in]``,
+  ``scale`` float32 ``[out]``; ``w[o, i] = codes[o, i] * scale[o]``. A channel's scale is its
+  largest magnitude over 127, so every code lies in [-127, 127].
+- ``Int4Weight``: asymmetric, one scale and one offset per group of ``group_size`` consecutive
+  inputs of an output channel. ``codes`` uint8 ``[out, in / 2]`` holding two codes per byte (input
+  ``2j`` in the low nibble, ``2j + 1`` in the high one), ``scale`` and ``offset`` float16
+  ``[out, in / group_size]``; ``w[o, i] = codes[o, i] * scale[o, g] + offset[o, g]`` with
+  ``g = i // group_size``, computed in float32. A group's offset is its smallest value and its
+  scale its range over 15, both rounded to float16 before the codes are chosen, so each code is
+  the nearest one under the stored scale and offset. At a group of 32 a weight takes 5 bits.
+
+Invariant: ``dequantize()`` is the weight the model computes with: every kernel that runs a
+quantized layer (``mmkv.quantization.linear``) gives ``x @ dequantize().T`` up to float rounding,
+and transformers on a model whose linear weights are replaced by ``dequantize()`` is the oracle
+for mmkv's output on the quantized model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT4_MAX = 15
+INT8_MAX = 127
+
+
+@dataclass(slots=True)
+class Int8Weight:
+    """Symmetric int8 codes with one float32 scale per output channel (the module docstring)."""
+
+    codes: torch.Tensor  # int8 [out, in]
+    scale: torch.Tensor  # float32 [out]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.codes.float() * self.scale[:, None]).to(dtype)
+
+    def rows(self, start: int, end: int) -> Int8Weight:
+        """Output channels ``[start, end)`` (views of this weight's tensors)."""
+        return Int8Weight(self.codes[start:end], self.scale[start:end])
+
+    def to(self, device: torch.device) -> Int8Weight:
+        return Int8Weight(self.codes.to(device), self.scale.to(device))
+
+
+@dataclass(slots=True)
+class Int4Weight:
+    """Asymmetric int4 codes, two per byte, with a float16 scale and offset per group of inputs
+    (the module docstring)."""
+
+    codes: torch.Tensor  # uint8 [out, in / 2]
+    scale: torch.Tensor  # float16 [out, in / group_size]
+    offset: torch.Tensor  # float16 [out, in / group_size]
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], 2 * self.codes.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.offset.nbytes
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """The codes as uint8 ``[out, in]``, one per byte."""
+        low, high = self.codes & 0x0F, self.codes >> 4
+        return torch.stack((low, high), -1).reshape(self.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out, features = self.shape
+        codes = self.unpacked_codes().float().view(out, -1, self.group_size)
+        w = codes * self.scale.float()[..., None] + self.offset.float()[..., None]
+        return w.view(out, features).to(dtype)
+
+    def rows(self, start: int, end: int) -> Int4Weight:
+        """Output channels ``[start, end)`` (views of this weight's tensors)."""
+        return Int4Weight(self.codes[start:end], self.scale[start:end], self.offset[start:end],
+                          self.group_size)
+
+    def to(self, device: torch.device) -> Int4Weight:
+        return Int4Weight(self.codes.to(device), self.scale.to(device), self.offset.to(device),
+                          self.group_size)
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+
+METHODS = ("int8", "int4")
+
+
+@dataclass(frozen=True, slots=True)
+class Quantization:
+    """What to quantize a model's weights to: ``method`` (``int8`` or ``int4``), the int4 group
+    size, and whether the LM head is quantized too (to int8, whatever ``method``)."""
+
+    method: str
+    group_size: int = 32
+    lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        check_method(self.method, self.group_size)
+
+
+def check_method(method: str | None, group_size: int | None, in_features: int | None = None) -> None:
+    """``ValueError`` naming what is wrong with a quantization request: an unknown method, a group
+    size that is not a positive even number (int4), or one that does not divide ``in_features``."""
+    if method is None:
+        return
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(METHODS)} (or None), got {method!r}")
+    if method == "int8":
+        return
+    if not isinstance(group_size, int) or group_size < 2 or group_size % 2:
+        raise ValueError(f"quantization_group_size must be a positive even integer, got {group_size!r}")
+    if in_features is not None and in_features % group_size:
+        raise ValueError(f"quantization_group_size {group_size} does not divide a layer's "
+                         f"{in_features} inputs; choose a divisor of it (e.g. 32)")
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric per-output-channel int8 codes of a float weight ``[out, in]``."""
+    w = weight.detach().float()
+    scale = w.abs().amax(1) / INT8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return Int8Weight(codes.contiguous(), scale.contiguous())
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
+    """Asymmetric int4 codes of a float weight ``[out, in]`` in groups of ``group_size`` inputs."""
+    out, features = weight.shape
+    check_method("int4", group_size, features)
+    w = weight.detach().float().view(out, features // group_size, group_size)
+    low, high = w.amin(-1), w.amax(-1)
+    offset = low.half()
+    scale = ((high - offset.float()) / INT4_MAX).half()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((w - offset.float()[..., None]) / scale.float()[..., None])
+    codes = codes.clamp_(0, INT4_MAX).to(torch.uint8).view(out, features // 2, 2)
+    packed = codes[..., 0] | (codes[..., 1] << 4)
+    return Int4Weight(packed.contiguous(), scale.contiguous(), offset.contiguous(), group_size)
+
+
+def quantize(weight: torch.Tensor, quantization: Quantization) -> QuantizedWeight:
+    """``weight`` ``[out, in]`` in the layout ``quantization`` names."""
+    if quantization.method == "int8":
+        return quantize_int8(weight)
+    return quantize_int4(weight, quantization.group_size)
+
+
+def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight whose output channels are those of ``weights`` in order (all of one layout and
+    group size): the layers of one input, run as one GEMM."""
+    first = weights[0]
+    if isinstance(first, Int8Weight):
+        return Int8Weight(torch.cat([w.codes for w in weights]), torch.cat([w.scale for w in weights]))
+    return Int4Weight(torch.cat([w.codes for w in weights]), torch.cat([w.scale for w in weights]),
+                      torch.cat([w.offset for w in weights]), first.group_size)

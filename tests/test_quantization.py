@@ -1,0 +1,196 @@
+"""Quantized weights: the layouts' formula, the kernels against the dequantized weight, and every
+family's greedy output against transformers on the same model with its linear weights replaced
+by their dequantized values (a quantized model is a model of its own)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlavaForConditionalGeneration, MllamaForConditionalGeneration
+
+from mmkv import Engine, SamplingParams, native
+from mmkv.models import MmkvVLM
+from mmkv.quantization import (Int4Weight, Int8Weight, Quantization, QuantizedLinear,
+                               QuantizedLinearModule, quantize)
+from mmkv.quantization.linear import NATIVE_ROWS
+from mmkv.quantization.loading import quantizes
+from speculative import SpeculativeConfig
+from tiny_models import LEARNING, hf_greedy, load_hf
+from tiny_qwen_vl import build_qwen_vl, hf_greedy as qwen_greedy, load_oracle, picture as qwen_picture
+from tiny_vlms import IMAGE_TOKEN, llava_greedy, mllama_greedy, mmkv_vlm_plain_greedy, picture
+
+METHODS = ("int8", "int4")
+P = SamplingParams(max_tokens=16, ignore_eos=True)
+PROMPTS = [[(7 * i + 3) % 250 for i in range(n)] for n in (5, 23, 41)]
+
+
+def dequantized(model: torch.nn.Module, method: str) -> torch.nn.Module:
+    """``model`` with every linear weight mmkv quantizes replaced by its dequantized value."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if type(module) is torch.nn.Linear and quantizes(name):
+                module.weight.copy_(quantize(module.weight, Quantization(method)).dequantize())
+    return model
+
+
+def quantized_layers(engine: Engine) -> int:
+    return sum(isinstance(m, QuantizedLinearModule) for m in engine.model.model.modules())
+
+
+# -- the layouts -----------------------------------------------------------------------------------
+def test_int4_layout_is_the_documented_formula():
+    """Byte j holds input 2j in its low nibble; each group has its own scale and offset."""
+    codes = torch.tensor([[0x21, 0xF0, 0x03, 0x54]], dtype=torch.uint8)  # 8 inputs, groups of 4
+    w = Int4Weight(codes, torch.tensor([[0.5, 2.0]]).half(), torch.tensor([[-1.0, 3.0]]).half(), 4)
+    expected = [1 * 0.5 - 1, 2 * 0.5 - 1, 0 * 0.5 - 1, 15 * 0.5 - 1, 3 * 2 + 3, 0 * 2 + 3, 4 * 2 + 3, 5 * 2 + 3]
+    assert w.dequantize()[0].tolist() == expected
+    assert w.unpacked_codes()[0].tolist() == [1, 2, 0, 15, 3, 0, 4, 5]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_codes_are_the_nearest_under_the_stored_scales(seed):
+    torch.manual_seed(seed)
+    w = torch.randn(24, 128) * (1 + seed)
+    w[3] = 0.0  # an all-zero channel and group
+    q8 = quantize(w, Quantization("int8"))
+    assert q8.codes.abs().max() <= 127
+    assert ((q8.dequantize() - w).abs() <= q8.scale[:, None] / 2 * (1 + 1e-5)).all()
+    q4 = quantize(w, Quantization("int4", 32))
+    step = q4.scale.float().repeat_interleave(32, 1)
+    offset = q4.offset.float().repeat_interleave(32, 1)
+    inside = (w >= offset) & (w <= offset + 15 * step)  # outside: clamped by the float16 rounding
+    assert ((q4.dequantize() - w).abs()[inside] <= step[inside] / 2 * (1 + 1e-3)).all()
+    assert (q4.dequantize() - w).abs().max() <= step.max()
+
+
+def test_bad_requests_name_what_is_wrong(model_dirs):
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4"):
+        Engine(model_dirs["llama"], quantization="int3")
+    with pytest.raises(ValueError, match="positive even integer, got 7"):
+        Engine(model_dirs["llama"], quantization="int4", quantization_group_size=7)
+    with pytest.raises(ValueError, match="does not divide a layer's 64 inputs"):
+        Engine(model_dirs["llama"], quantization="int4", quantization_group_size=48)
+
+
+# -- the kernels -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, NATIVE_ROWS, NATIVE_ROWS + 1])
+def test_layer_computes_with_the_dequantized_weight(method, rows):
+    """Whichever way a row count runs (the native kernel up to ``NATIVE_ROWS`` rows, the weight
+    dequantized beyond), the layer is ``F.linear`` of the dequantized weight; 37 outputs and 96
+    inputs leave tails in every blocking, three groups of 32 give each its own scale."""
+    torch.manual_seed(rows)
+    w, bias, x = torch.randn(37, 96), torch.randn(37), torch.randn(rows, 96)
+    layer = QuantizedLinear(quantize(w, Quantization(method)), bias)
+    assert (layer.kernels is not None) == (native.library() is not None)
+    expected = F.linear(x.double(), layer.weight.dequantize().double(), bias.double())
+    for way in ((layer.native, layer.dense) if layer.kernels else (layer.dense,)):
+        assert torch.allclose(way(x).double(), expected, atol=1e-4), way.__name__
+    assert torch.allclose(layer(x).double(), expected, atol=1e-4)
+    assert torch.equal(layer.dequantized(), layer.weight.dequantize())
+
+
+def test_fused_layers_keep_one_copy_of_the_codes(model_dirs):
+    eng = Engine(model_dirs["llama"], quantization="int4", kv_cache_memory="4MiB")
+    layer = eng.model.fused[0]
+    q_proj = eng.model.model.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.untyped_storage().data_ptr() == layer.qkv.weight.codes.untyped_storage().data_ptr()
+    assert eng.stats()["weight_bytes"] == eng.model.weight_bytes
+
+
+# -- each family against transformers on the dequantized weights ----------------------------------
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_text_models_match_transformers_on_the_dequantized_weights(model_dirs, family, method):
+    eng = Engine(model_dirs[family], quantization=method, kv_cache_memory="4MiB", block_size=4,
+                 debug=True)
+    assert quantized_layers(eng) == 7 * eng.model.num_layers  # q k v o gate up down
+    oracle = dequantized(load_hf(model_dirs[family]), method)
+    for prompt, out in zip(PROMPTS, eng.generate(PROMPTS, P)):
+        assert out.token_ids == hf_greedy(oracle, prompt, P.max_tokens), (family, method, len(prompt))
+    full = Engine(model_dirs[family], kv_cache_memory="4MiB")
+    ratio = {"int8": 0.28, "int4": 0.18}[method]  # of float32: codes, scales (offsets) and norms
+    layers = sum(p.nbytes for p in load_hf(model_dirs[family]).model.layers.parameters())
+    quantized = eng.model.weight_bytes - (full.model.weight_bytes - layers)
+    assert quantized < ratio * layers
+
+
+def test_quantized_lm_head_and_draft_model(model_dirs, hf_oracle):
+    """An int8 head; an int4 draft proposing for an unquantized target leaves the target's output
+    exactly transformers'."""
+    eng = Engine(model_dirs["llama"], quantization="int8", quantize_lm_head=True,
+                 kv_cache_memory="4MiB")
+    assert isinstance(eng.model.head, QuantizedLinear)
+    oracle = dequantized(load_hf(model_dirs["llama"]), "int8")
+    with torch.no_grad():
+        oracle.lm_head.weight.copy_(quantize(oracle.lm_head.weight, Quantization("int8")).dequantize())
+    assert eng.generate([PROMPTS[1]], P)[0].token_ids == hf_greedy(oracle, PROMPTS[1], P.max_tokens)
+    spec = SpeculativeConfig(method="draft_model", draft_model=model_dirs["qwen2"], num_tokens=3,
+                             draft_quantization="int4", settings=LEARNING)
+    eng = Engine(model_dirs["llama"], speculative=spec, kv_cache_memory="8MiB", debug=True)
+    outs = eng.generate(PROMPTS, P)
+    for prompt, out in zip(PROMPTS, outs):
+        hf_oracle.check("llama", prompt, out.token_ids)
+    assert eng.stats()["spec_drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_early_exit_and_compressed_kv_over_quantized_layers(model_dirs, method):
+    """Speculation drafting through the quantized model's own first layer changes nothing."""
+    oracle = dequantized(load_hf(model_dirs["llama"]), method)
+    spec = SpeculativeConfig(method="early_exit", early_exit_layer=1, num_tokens=3, settings=LEARNING)
+    eng = Engine(model_dirs["llama"], quantization=method, speculative=spec, kv_cache_memory="4MiB",
+                 block_size=4, debug=True)
+    for prompt, out in zip(PROMPTS, eng.generate(PROMPTS, P)):
+        assert out.token_ids == hf_greedy(oracle, prompt, P.max_tokens)
+    compressed = Engine(model_dirs["llama"], quantization=method, kv_cache_dtype="int8",
+                        kv_cache_memory="4MiB")
+    assert all(len(o.token_ids) == P.max_tokens for o in compressed.generate(PROMPTS, P))
+
+
+def vlm_oracle(family: str, directory, method: str):
+    if family == "mllama":
+        return dequantized(MllamaForConditionalGeneration.from_pretrained(directory).eval(), method)
+    if family == "llava":
+        return dequantized(LlavaForConditionalGeneration.from_pretrained(directory).eval(), method)
+    return dequantized(MmkvVLM.from_pretrained(directory), method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("family", ["mllama", "llava", "mmkv_vlm"])
+def test_vision_language_models_match_transformers_on_the_dequantized_weights(vlm_dirs, family, method):
+    """Decoder layers (cross attention included) and the projector quantized, the tower not."""
+    eng = Engine(vlm_dirs[family], quantization=method, kv_cache_memory="8MiB", block_size=4,
+                 debug=True)
+    names = [n for n, m in eng.model.model.named_modules() if isinstance(m, QuantizedLinearModule)]
+    assert any("projector" in n for n in names) and not any("vision" in n for n in names)
+    model = vlm_oracle(family, vlm_dirs[family], method)
+    image = picture(1)
+    prompts = [[IMAGE_TOKEN, *b"What is it?"], [*b"Hi ", IMAGE_TOKEN, *b"Colour?"]]
+    outs = eng.generate([{"prompt": p, "images": [image]} for p in prompts], P)
+    for prompt, out in zip(prompts, outs):
+        if family == "mllama":
+            processor = eng.model.vision.encoder.processor
+            want = mllama_greedy(model, processor, prompt, [image], P.max_tokens)
+        elif family == "llava":
+            processor = eng.model.vision.encoder.processor
+            want = llava_greedy(model, processor, prompt, image, P.max_tokens, eng.model.tokens_per_image)
+        else:
+            pixels = eng.model.vision.encoder.preprocess(image)["pixel_values"]
+            want = mmkv_vlm_plain_greedy(model, pixels, prompt, P.max_tokens)
+        assert out.token_ids == want, (family, method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_qwen2_5_vl_matches_transformers_on_the_dequantized_weights(tmp_path, method):
+    directory = build_qwen_vl("qwen2_5_vl", tmp_path / "qwen2_5_vl")
+    model, processor = load_oracle("qwen2_5_vl", directory)
+    dequantized(model, method)
+    eng = Engine(directory, quantization=method, kv_cache_memory="8MiB", block_size=4, debug=True)
+    names = [n for n, m in eng.model.model.named_modules() if isinstance(m, QuantizedLinearModule)]
+    assert any("merger" in n for n in names) and not any("blocks" in n for n in names)
+    markup = "<|vision_start|><|image_pad|><|vision_end|>"
+    requests = [(f"describe {markup} briefly", [qwen_picture(1)]), ("plain text, a few blocks long", [])]
+    outs = eng.generate([{"prompt": t, "images": i} for t, i in requests], P)
+    for (text, images), out in zip(requests, outs):
+        prompt, answer = qwen_greedy(model, processor, text, images, P.max_tokens)
+        assert out.prompt_token_ids == prompt and out.token_ids == answer, (text, method)
