@@ -29,15 +29,19 @@ bench: $(STAMP)
 	$(PY) -m mmkv.bench cache --json
 
 # The peers that take long to install, for `python -m mmkv.bench prefix --peers llama.cpp`:
-# llama-cpp-python compiles llama.cpp (about 11 minutes on 2 cores); its source distribution
-# also carries llama.cpp's GGUF converter, which goes to .peers/llama.cpp.
+# llama-cpp-python compiles llama.cpp (about 11 minutes on 2 cores) with only the instruction sets
+# this CPU has and its kernel enabled (llama_cpp_peer.cmake_args), rebuilt even when installed;
+# its source distribution also carries llama.cpp's GGUF converter, which goes to .peers/llama.cpp.
 LLAMA_CPP := 0.3.36
 PEERS := .peers/llama.cpp/convert_hf_to_gguf.py
 
 bench-peers: $(PEERS)
 
 $(PEERS): $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install --quiet 'llama-cpp-python==$(LLAMA_CPP)' 'gguf==0.19.0' 'sentencepiece==0.2.3' 'xgrammar==0.2.9'
+	CMAKE_ARGS="$$($(PY) -c 'from mmkv.bench.llama_cpp_peer import cmake_args; print(cmake_args())')" && \
+		echo "llama.cpp: $$CMAKE_ARGS" && export CMAKE_ARGS && \
+		$(PY) -m pip install --quiet --force-reinstall --no-deps --no-cache-dir 'llama-cpp-python==$(LLAMA_CPP)'
+	$(PY) -m pip install --quiet 'llama-cpp-python==$(LLAMA_CPP)' 'gguf==0.19.0' 'sentencepiece==0.2.3' 'xgrammar==0.2.9'
 	rm -rf .peers/src && mkdir -p .peers/src
 	$(PY) -m pip download --quiet --no-deps --no-binary :all: 'llama-cpp-python==$(LLAMA_CPP)' -d .peers/src
 	tar -xzf .peers/src/llama_cpp_python-$(LLAMA_CPP).tar.gz -C .peers/src \

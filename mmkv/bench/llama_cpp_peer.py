@@ -1,18 +1,24 @@
-"""llama.cpp as a peer: the same checkpoint converted to GGUF by llama.cpp's own converter, run
-through llama-cpp-python's low-level API in the mode that suits shared-prefix work best.
+"""llama.cpp as a peer: the same checkpoint converted to GGUF by llama.cpp's own converter (and,
+for weight benchmarks, quantised by its own quantizer), run through llama-cpp-python's low-level API.
 
-That mode: the shared prefix is decoded once as sequence 0 and copied to every other sequence
-(``llama_memory_seq_cp``), each sequence's own suffix is decoded in one batch, then every
-sequence decodes greedily in one batch per step; ``n_threads`` is the machine's cores. Outputs
-are argmax token ids, comparable with mmkv's greedy output.
+Plain mode (``generate``): every prompt is its own sequence, all decoded together, then every
+sequence decodes greedily in one batch per step. Shared-prefix mode (``generate_shared_prefix``),
+which suits shared-prefix work best: the prefix is decoded once as sequence 0 and copied to every
+other sequence (``llama_memory_seq_cp``), each sequence's own suffix is decoded in one batch, then
+decoding goes as in plain mode. ``n_threads`` is the machine's cores. Outputs are argmax token
+ids, comparable with mmkv's greedy output.
 
 ``make bench-peers`` installs llama-cpp-python (it compiles llama.cpp), gguf and sentencepiece, and
 puts llama.cpp's converter (``convert_hf_to_gguf.py`` and its modules, from the llama-cpp-python
 source distribution) under ``.peers/llama.cpp``. Without them ``available()`` says what is missing.
+It builds llama.cpp with ``cmake_args()``: on x86 Linux, only the instruction sets this CPU has and
+the kernel enabled, so the build runs where ``-march=native`` would not (a VM whose CPU advertises
+AMX its kernel never enabled).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -21,6 +27,47 @@ from pathlib import Path
 import numpy as np
 
 CONVERTER = Path(__file__).resolve().parents[2] / ".peers" / "llama.cpp" / "convert_hf_to_gguf.py"
+
+# ggml's x86 build options and the /proc/cpuinfo flags each needs (the kernel lists a flag only
+# when it enabled the registers the instructions use); GGML_AVX512 is ggml's F+CD+VL+DQ+BW.
+X86_OPTIONS = {
+    "SSE42": ("sse4_2",), "AVX": ("avx",), "AVX2": ("avx2",), "BMI2": ("bmi2",), "FMA": ("fma",),
+    "F16C": ("f16c",), "AVX_VNNI": ("avx_vnni",),
+    "AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
+    "AVX512_VBMI": ("avx512vbmi",), "AVX512_VNNI": ("avx512_vnni",), "AVX512_BF16": ("avx512_bf16",),
+    "AMX_TILE": ("amx_tile",), "AMX_INT8": ("amx_int8",), "AMX_BF16": ("amx_bf16",),
+}
+
+
+def cpu_flags() -> set[str]:
+    """The x86 feature flags /proc/cpuinfo lists for the first CPU; empty elsewhere."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+
+
+def amx_permitted() -> bool:
+    """Whether the kernel lets this process use AMX tiles: ``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)`` succeeds only where the kernel enabled the tile state."""
+    SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+
+
+def cmake_args(flags: set[str] | None = None, amx: bool | None = None) -> str:
+    """llama.cpp's CMake options for this machine (``flags``, ``amx``: its cpuinfo flags and
+    ``amx_permitted()`` unless given). On x86: ``-DGGML_NATIVE=OFF`` and each ``X86_OPTIONS``
+    entry ON exactly when the CPU lists all its flags (AMX also only when permitted), so no
+    instruction the OS has not enabled is compiled in. Elsewhere: ``-DGGML_NATIVE=ON``."""
+    flags = cpu_flags() if flags is None else flags
+    if "sse2" not in flags:
+        return "-DGGML_NATIVE=ON"
+    amx = "amx_tile" in flags and (amx_permitted() if amx is None else amx)
+    on = {name for name, needs in X86_OPTIONS.items()
+          if flags.issuperset(needs) and (amx or not name.startswith("AMX"))}
+    return " ".join(["-DGGML_NATIVE=OFF"] + [f"-DGGML_{n}={'ON' if n in on else 'OFF'}" for n in X86_OPTIONS])
 
 
 def available() -> str | None:
@@ -56,6 +103,24 @@ def convert(model_dir: Path, work: Path, outtypes: list[str]) -> dict[str, Path]
         out[outtype] = work / f"model-{outtype}.gguf"
         subprocess.run([sys.executable, str(CONVERTER), str(source), "--outfile", str(out[outtype]),
                         "--outtype", outtype], check=True, capture_output=True, text=True)
+    return out
+
+
+QUANT_KINDS = ("q8_0", "q4_0", "q4_k_m")
+
+
+def quantize(f16_gguf: Path, out: Path, kind: str) -> Path:
+    """``out``: ``f16_gguf`` quantised by llama.cpp's own quantizer (``llama-quantize``'s
+    defaults) to ``kind``, one of ``QUANT_KINDS``, on every core."""
+    if kind not in QUANT_KINDS:
+        raise ValueError(f"quantization kind must be one of {', '.join(QUANT_KINDS)}, got {kind!r}")
+    import llama_cpp as L
+
+    params = L.llama_model_quantize_default_params()
+    params.ftype = getattr(L, f"LLAMA_FTYPE_MOSTLY_{kind.upper()}")
+    params.nthread = os.cpu_count() or 1
+    if L.llama_model_quantize(str(f16_gguf).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {f16_gguf} to {kind}")
     return out
 
 
@@ -115,6 +180,18 @@ class LlamaCpp:
                     row = L.llama_get_logits_ith(self.ctx, i)
                     out.append(np.ctypeslib.as_array(row, shape=(self.n_vocab,)).copy())
         return out
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        """Greedy continuations of every prompt, each its own sequence: all prompts' tokens are
+        decoded together (``n_batch`` at a time), then every sequence decodes in one batch per step."""
+        if len(prompts) > self.num_seqs:
+            raise ValueError(f"at most {self.num_seqs} prompts fit this context, got {len(prompts)}")
+        L = self.L
+        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        items = [(t, pos, seq, pos == len(prompt) - 1)
+                 for seq, prompt in enumerate(prompts) for pos, t in enumerate(prompt)]
+        return self._greedy(self._decode(items), [len(p) for p in prompts], list(range(len(prompts))),
+                            new_tokens)
 
     def generate_shared_prefix(self, prefix: list[int], suffixes: list[list[int]],
                                new_tokens: int) -> list[list[int]]:
