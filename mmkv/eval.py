@@ -5,8 +5,8 @@
 Questions come from ``mmkv.synthetic`` with seeds the training script never uses. Every answer is
 produced with prefix caching (and image sharing) on, with it off, and (for a model with an early
 exit) with early-exit speculative decoding, and must be identical each time.
-``--dtype bfloat16`` answers in bfloat16 and ``--kv-cache-dtype int8|fp8_e4m3`` over a compressed
-KV cache; either also reports the reference's accuracy (float32, uncompressed: ``reference_*``) and
+``--dtype bfloat16`` answers in bfloat16, ``--kv-cache-dtype int8|fp8_e4m3`` over a compressed
+KV cache and ``--quantization int8|int4`` with quantized weights; each also reports the reference's accuracy (float32, uncompressed: ``reference_*``) and
 how many answers the two share (``answers_equal_reference``). The last line of ``--json`` output is
 one JSON object.
 """
@@ -42,9 +42,11 @@ def questions(scenes: int, documents: int, seed: int = EVAL_SEED) -> list[tuple[
 
 
 def answer_all(model: Path, prompts: list, caching: bool, speculative: SpeculativeConfig | None = None,
-               dtype: str = "float32", kv_cache_dtype: str = "auto") -> tuple[list[str], float, dict]:
+               dtype: str = "float32", kv_cache_dtype: str = "auto",
+               quantization: str | None = None) -> tuple[list[str], float, dict]:
     engine = Engine(model, kv_cache_memory="512MiB", host_kv_memory="64MiB", dtype=dtype,
-                    enable_prefix_caching=caching, speculative=speculative, kv_cache_dtype=kv_cache_dtype)
+                    enable_prefix_caching=caching, speculative=speculative, kv_cache_dtype=kv_cache_dtype,
+                    quantization=quantization)
     start = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_ANSWER_TOKENS))
     return [o.text.strip() for o in outs], time.perf_counter() - start, engine.stats()
@@ -60,10 +62,11 @@ def accuracy(answers: list[str], items: list) -> dict[str, float]:
 
 
 def evaluate(model: Path, scenes: int, documents: int, seed: int = EVAL_SEED,
-             dtype: str = "float32", kv_cache_dtype: str = "auto") -> dict:
+             dtype: str = "float32", kv_cache_dtype: str = "auto",
+             quantization: str | None = None) -> dict:
     items = questions(scenes, documents, seed)
     prompts = [p for p, *_ in items]
-    options = {"dtype": dtype, "kv_cache_dtype": kv_cache_dtype}
+    options = {"dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "quantization": quantization}
     cached, cached_s, stats = answer_all(model, prompts, caching=True, **options)
     plain, plain_s, _ = answer_all(model, prompts, caching=False, **options)
     speculated = None
@@ -72,7 +75,7 @@ def evaluate(model: Path, scenes: int, documents: int, seed: int = EVAL_SEED,
                                       speculative=SpeculativeConfig(**BUNDLED_SPECULATION))
     acc = accuracy(cached, items)
     versus_reference = {}
-    if dtype != "float32" or kv_cache_dtype != "auto":
+    if dtype != "float32" or kv_cache_dtype != "auto" or quantization is not None:
         reference, reference_s, _ = answer_all(model, prompts, caching=True)
         ref_acc = accuracy(reference, items)
         versus_reference = {"reference_scene_accuracy": ref_acc.get("scene", 0.0),
@@ -83,6 +86,7 @@ def evaluate(model: Path, scenes: int, documents: int, seed: int = EVAL_SEED,
     return {
         "dtype": dtype,
         "kv_cache_dtype": kv_cache_dtype,
+        "quantization": quantization,
         "scene_accuracy": acc.get("scene", 0.0),
         "document_accuracy": acc.get("document", 0.0),
         "scene_questions": scenes,
@@ -105,9 +109,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=EVAL_SEED)
     parser.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16 (fast)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), int8 or fp8_e4m3")
+    parser.add_argument("--quantization", choices=("int8", "int4"), help="quantized weights")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = evaluate(args.model, args.scenes, args.documents, args.seed, args.dtype, args.kv_cache_dtype)
+    result = evaluate(args.model, args.scenes, args.documents, args.seed, args.dtype, args.kv_cache_dtype,
+                      args.quantization)
     if args.json:
         print(json.dumps(result))
     else:

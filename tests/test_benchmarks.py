@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mmkv.bench import __main__ as bench_main
-from mmkv.bench import kv_dtype_bench, llama_cpp_peer, spec_bench, spec_compare
+from mmkv.bench import llama_cpp_peer, rotated, spec_bench, spec_compare
 from speculative import SpeculativeConfig
 from speculative.controller import DraftLengthController
 
@@ -492,10 +492,30 @@ def test_kv_dtype_bench_holds_more_documents_in_compressed_pools():
         assert result["peer_kv_bytes_f16"] > result["peer_kv_bytes_q8_0"]
 
 
+def test_weights_bench_runs_every_variant_in_its_own_process():
+    """bfloat16, int8 and int4 (and llama.cpp's four files where installed) each load in a process
+    of their own: weights and peak memory per variant, both workloads' times, the ratios the docs
+    quote, and greedy agreement with bfloat16."""
+    result = bench("weights", "--hidden", "128", "--layers", "2", "--prompts", "2", "--prompt-tokens",
+                   "8", "--new-tokens", "4", "--prefix-requests", "2", "--prefix-tokens", "24",
+                   "--suffix-tokens", "4", "--prefix-new-tokens", "3", "--repeats", "1",
+                   "--peers", "llama.cpp")
+    bf16, int8, int4 = (result[f"weight_bytes_{v}"] for v in ("bf16", "int8", "int4"))
+    assert bf16 > int8 > int4 > 0
+    for variant in ("bf16", "int8", "int4"):
+        assert result[f"decode_seconds_{variant}"] > 0 and result[f"prefix_seconds_{variant}"] > 0
+        assert 0 < result[f"load_rss_{variant}"] < result[f"rss_{variant}"]
+    assert result["decode_int4_vs_mmkv_bf16"] > 0 and 0 <= result["greedy_agreement_int4"] <= 1
+    if llama_cpp_peer.available() is None:
+        assert result["decode_int4_vs_llama_cpp_q4_k_m"] > 0 and result["rss_int4_vs_llama_cpp_q4_k_m"] > 0
+    else:
+        assert result["llama_cpp"] == llama_cpp_peer.available()
+
+
 def test_kv_dtype_bench_rotates_the_order_its_sides_take_turns_in():
     """mmkv and the llama.cpp peers alternate: each leads one round in every three, none is timed
     in a block before the others."""
-    orders = kv_dtype_bench.rotated(["mmkv_int8", "llama_cpp_q8_0", "llama_cpp_f16"], 4)
+    orders = rotated(["mmkv_int8", "llama_cpp_q8_0", "llama_cpp_f16"], 4)
     assert [order[0] for order in orders] == ["mmkv_int8", "llama_cpp_q8_0", "llama_cpp_f16", "mmkv_int8"]
     assert all(sorted(order) == sorted(orders[0]) for order in orders)
     for place in range(3):

@@ -31,3 +31,10 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
         start = time.perf_counter()
         result = fn()
         return result, time.perf_counter() - start
+
+
+def rotated(sides: list[str], repeats: int) -> list[list[str]]:
+    """Each round's order: ``sides`` rotated by one more each round, so in every ``len(sides)``
+    rounds each side takes each place in the order once (a slow stretch of the machine meets
+    every side alike)."""
+    return [sides[r % len(sides):] + sides[:r % len(sides)] for r in range(repeats)]

@@ -12,12 +12,13 @@ import sys
 
 from mmkv.bench import (cache_bench, cross_bench, distributed_bench, gpu_bench, image_qa_bench,
                         kv_dtype_bench, preemption_bench, prefix_bench, serve_bench, spec_bench,
-                        spec_compare, structured_bench)
+                        spec_compare, structured_bench, weights_bench)
 
 BENCHMARKS = {"cache": cache_bench, "prefix": prefix_bench, "image-qa": image_qa_bench,
               "spec": spec_bench, "spec-compare": spec_compare, "cross": cross_bench,
               "serve": serve_bench, "gpu": gpu_bench, "distributed": distributed_bench,
-              "preemption": preemption_bench, "kv-dtype": kv_dtype_bench, "structured": structured_bench}
+              "preemption": preemption_bench, "kv-dtype": kv_dtype_bench, "structured": structured_bench,
+              "weights": weights_bench}
 CHECKS = {"outputs_equal": "outputs differ between mmkv and its peer",  # a benchmark failing one exits 1
           "outputs_near_greedy": "outputs differ between mmkv and its peer",
           "all_outputs_valid": "an output breaks its constraint"}

@@ -53,7 +53,7 @@ import torch
 from cache import kv_format
 from mmkv import Engine, SamplingParams
 from mmkv.attention import native
-from mmkv.bench import gc_paused, llama_cpp_peer
+from mmkv.bench import gc_paused, llama_cpp_peer, rotated
 from mmkv.bench.random_models import BENCH_LLAMA, save_random_llama
 from mmkv.bundled import BUNDLED_MODEL
 
@@ -185,13 +185,6 @@ def long_decode(args: argparse.Namespace) -> dict:
 
 PEER_KV_TYPES = ("q8_0", "f16")  # llama.cpp's K/V types timed: int8's counterpart, and its default
 KV_TYPE_BYTES = {"q8_0": 34 / 32, "f16": 2.0}  # bytes per value: q8_0 blocks are 32 codes and a half scale
-
-
-def rotated(sides: list[str], repeats: int) -> list[list[str]]:
-    """Each round's order: ``sides`` rotated by one more each round, so in every ``len(sides)``
-    rounds each side takes each place in the order once (a slow stretch of the machine meets
-    every side alike)."""
-    return [sides[r % len(sides):] + sides[:r % len(sides)] for r in range(repeats)]
 
 
 def against_llama_cpp(args: argparse.Namespace) -> dict:
