@@ -50,11 +50,13 @@ def test_bundled_model_reaches_its_accuracy_identically_with_caching_and_specula
 
 
 @pytest.mark.parametrize("options", [{"dtype": "bfloat16"}, {"kv_cache_dtype": "int8"},
-                                     {"kv_cache_dtype": "fp8_e4m3"}], ids=["bf16", "int8-kv", "fp8-kv"])
-def test_bundled_model_answers_the_same_in_bfloat16_and_over_compressed_kv(options):
-    """The fast mode and compressed KV caches on the trained model: held-out answers (30 scene and
-    30 document questions) agree with float32's over an uncompressed cache, and the accuracy
-    stays within one question of it."""
+                                     {"kv_cache_dtype": "fp8_e4m3"}, {"quantization": "int8"},
+                                     {"quantization": "int4"}],
+                         ids=["bf16", "int8-kv", "fp8-kv", "int8-weights", "int4-weights"])
+def test_bundled_model_answers_the_same_in_bfloat16_compressed_and_quantized(options):
+    """The fast mode, compressed KV caches and quantized weights on the trained model: held-out
+    answers (30 scene and 30 document questions) agree with float32's over an uncompressed cache,
+    and the accuracy stays within one question of it."""
     result = evaluate(BUNDLED_MODEL, scenes=30, documents=30, seed=321, **options)
     assert result["answers_equal_reference"] >= 0.95, result
     assert result["identical_with_and_without_caching"], result

@@ -67,8 +67,24 @@ def test_bad_requests_name_what_is_wrong(model_dirs):
         Engine(model_dirs["llama"], quantization="int3")
     with pytest.raises(ValueError, match="positive even integer, got 7"):
         Engine(model_dirs["llama"], quantization="int4", quantization_group_size=7)
-    with pytest.raises(ValueError, match="does not divide a layer's 64 inputs"):
-        Engine(model_dirs["llama"], quantization="int4", quantization_group_size=48)
+
+
+
+def test_int4_layers_whose_inputs_the_group_does_not_tile_fall_back_to_int8(model_dirs):
+    """Groups of 128 tile the MLP's down projection (128 inputs) only: every other layer (64
+    inputs) is int8, and the fused layers still run one layout each."""
+    eng = Engine(model_dirs["llama"], quantization="int4", quantization_group_size=128,
+                 kv_cache_memory="4MiB")
+    layers = {n.rsplit(".", 1)[-1]: m.method for n, m in eng.model.model.named_modules()
+              if isinstance(m, QuantizedLinearModule)}
+    assert layers == {"q_proj": "int8", "k_proj": "int8", "v_proj": "int8", "o_proj": "int8",
+                      "gate_proj": "int8", "up_proj": "int8", "down_proj": "int4"}
+    oracle = load_hf(model_dirs["llama"])
+    with torch.no_grad():
+        for name, module in oracle.named_modules():
+            if type(module) is torch.nn.Linear and quantizes(name):
+                module.weight.copy_(quantize(module.weight, Quantization("int4", 128)).dequantize())
+    assert eng.generate([PROMPTS[2]], P)[0].token_ids == hf_greedy(oracle, PROMPTS[2], P.max_tokens)
 
 
 # -- the kernels -----------------------------------------------------------------------------------

@@ -102,30 +102,26 @@ METHODS = ("int8", "int4")
 @dataclass(frozen=True, slots=True)
 class Quantization:
     """What to quantize a model's weights to: ``method`` (``int8`` or ``int4``), the int4 group
-    size, and whether the LM head is quantized too (to int8, whatever ``method``)."""
+    size, and whether the LM head is quantized too (to int8, whatever ``method``). A layer whose
+    inputs the group size does not divide is quantized to int8 instead (``method_for``), as
+    llama.cpp falls back to another type for rows its blocks do not tile."""
 
     method: str
     group_size: int = 32
     lm_head: bool = False
 
     def __post_init__(self) -> None:
-        check_method(self.method, self.group_size)
+        if self.method not in METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(METHODS)} (or None), "
+                             f"got {self.method!r}")
+        if self.method == "int4" and (not isinstance(self.group_size, int) or self.group_size < 2
+                                      or self.group_size % 2):
+            raise ValueError(f"quantization_group_size must be a positive even integer, got "
+                             f"{self.group_size!r}")
 
-
-def check_method(method: str | None, group_size: int | None, in_features: int | None = None) -> None:
-    """``ValueError`` naming what is wrong with a quantization request: an unknown method, a group
-    size that is not a positive even number (int4), or one that does not divide ``in_features``."""
-    if method is None:
-        return
-    if method not in METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(METHODS)} (or None), got {method!r}")
-    if method == "int8":
-        return
-    if not isinstance(group_size, int) or group_size < 2 or group_size % 2:
-        raise ValueError(f"quantization_group_size must be a positive even integer, got {group_size!r}")
-    if in_features is not None and in_features % group_size:
-        raise ValueError(f"quantization_group_size {group_size} does not divide a layer's "
-                         f"{in_features} inputs; choose a divisor of it (e.g. 32)")
+    def method_for(self, in_features: int) -> str:
+        """The layout a layer of ``in_features`` inputs is quantized to."""
+        return "int4" if self.method == "int4" and in_features % self.group_size == 0 else "int8"
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
@@ -140,7 +136,8 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
 def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
     """Asymmetric int4 codes of a float weight ``[out, in]`` in groups of ``group_size`` inputs."""
     out, features = weight.shape
-    check_method("int4", group_size, features)
+    if features % group_size:
+        raise ValueError(f"int4 groups of {group_size} do not tile {features} inputs")
     w = weight.detach().float().view(out, features // group_size, group_size)
     low, high = w.amin(-1), w.amax(-1)
     offset = low.half()
@@ -153,8 +150,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
 
 
 def quantize(weight: torch.Tensor, quantization: Quantization) -> QuantizedWeight:
-    """``weight`` ``[out, in]`` in the layout ``quantization`` names."""
-    if quantization.method == "int8":
+    """``weight`` ``[out, in]`` in the layout ``quantization`` gives a layer of its inputs."""
+    if quantization.method_for(weight.shape[1]) == "int8":
         return quantize_int8(weight)
     return quantize_int4(weight, quantization.group_size)
 

@@ -129,7 +129,7 @@ class QuantizedLinearModule(torch.nn.Module):
     def empty(cls, in_features: int, out_features: int, bias: bool,
               quantization) -> QuantizedLinearModule:
         """A layer for a loader to fill (``state_of`` names what it sets)."""
-        method = quantization.method
+        method = quantization.method_for(in_features)
         return cls(in_features, out_features, bias, method, quantization.group_size)
 
     @classmethod

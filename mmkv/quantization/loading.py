@@ -25,7 +25,7 @@ from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from mmkv.quantization.formats import Quantization, check_method, quantize
+from mmkv.quantization.formats import Quantization, quantize
 from mmkv.quantization.linear import QuantizedLinearModule
 
 METHOD = "mmkv"
@@ -50,7 +50,6 @@ def swap_linear_layers(model: torch.nn.Module, quantization: Quantization,
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         linear = getattr(owner, child)
-        check_method(quantization.method, quantization.group_size, linear.in_features)
         if build is not None:
             replacement = build(name, linear)
         else:
