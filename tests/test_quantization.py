@@ -105,6 +105,26 @@ def test_layer_computes_with_the_dequantized_weight(method, rows):
     assert torch.equal(layer.dequantized(), layer.weight.dequantize())
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+def test_bfloat16_rows_meet_the_weight_in_bfloat16(method, rows):
+    """bfloat16 rows go through the dot-product kernel where the CPU has it: int8 codes are exact
+    in bfloat16 (the scale multiplies the sum), an int4 weight is its dequantized value rounded to
+    bfloat16, as the bfloat16 model holds it; sums in float32."""
+    torch.manual_seed(rows)
+    w, bias, x = torch.randn(37, 128), torch.randn(37), torch.randn(rows, 128).bfloat16()
+    layer = QuantizedLinear(quantize(w, Quantization(method)), bias)
+    if layer.kernels is None or layer.run_kernel(layer.kernels[1], x) is None:
+        pytest.skip("no AVX512-BF16 kernel on this CPU (the float32 kernel runs bfloat16 rows)")
+    weight = layer.weight.dequantize()
+    if method == "int4":
+        weight = weight.bfloat16()
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    assert torch.allclose(layer.run_kernel(layer.kernels[1], x).double(), expected, atol=1e-4)
+    assert layer(x).dtype == torch.bfloat16
+    assert torch.equal(layer.dequantized(torch.bfloat16), layer.weight.dequantize().bfloat16())
+
+
 def test_fused_layers_keep_one_copy_of_the_codes(model_dirs):
     eng = Engine(model_dirs["llama"], quantization="int4", kv_cache_memory="4MiB")
     layer = eng.model.fused[0]

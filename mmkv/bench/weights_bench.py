@@ -17,11 +17,13 @@ order rotated by one), every run from an empty cache:
   its own ``--suffix-tokens`` tokens, ``--prefix-new-tokens`` new tokens: mmkv prefills the prefix
   once (its radix tree); llama.cpp decodes it once and copies it to every sequence.
 
-Each variant lives in a process of its own, so its peak resident memory (``VmHWM``) is its own:
-``rss_<variant>`` is that peak over the whole run, ``load_rss_<variant>`` the peak while the model
-loaded minus the process's size before loading, against ``weight_bytes_<variant>`` (mmkv's
-``engine.stats()``, llama.cpp's file size), measured in a process that only loads the model;
-both sides' KV holds the same tokens (the larger workload's). Reported: seconds per workload and variant (the
+Each variant lives in a process of its own, so its memory is its own: ``rss_<variant>`` is its
+resident size after the runs (model, KV pool, runtime; llama.cpp's weights are its memory-mapped
+file), ``peak_rss_<variant>`` the largest it ever was (``VmHWM``: for mmkv, while the checkpoint's
+file was mapped during loading). ``load_rss_<variant>`` is the most anonymous memory (``RssAnon``:
+not the mapped file's pages, which the kernel may drop) that loading added to a process that only
+loads the model, against ``weight_bytes_<variant>`` (mmkv's ``engine.stats()``, llama.cpp's file
+size). Both sides' KV hold the same tokens (the larger workload's). Reported: seconds per workload and variant (the
 fastest round), the ratios the goals name (``decode_int4_vs_llama_cpp_q4_k_m`` is llama.cpp's
 seconds over mmkv's: above 1, mmkv is faster), and ``greedy_agreement_<variant>``: the share of
 generated tokens equal to mmkv bfloat16's before each sequence's first difference (random weights
@@ -118,8 +120,7 @@ def status_kib(field: str) -> int:
 
 
 class PeakSampler:
-    """The largest resident size (bytes) seen every 5 ms while it runs (``VmHWM`` cannot be reset
-    between phases of one process)."""
+    """The largest anonymous resident size (bytes, ``RssAnon``) seen every 5 ms while it runs."""
 
     def __init__(self) -> None:
         self.peak, self._stop = 0, threading.Event()
@@ -127,7 +128,7 @@ class PeakSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, status_kib("VmRSS"))
+            self.peak = max(self.peak, status_kib("RssAnon"))
             time.sleep(0.005)
 
     def __enter__(self) -> PeakSampler:
@@ -137,7 +138,7 @@ class PeakSampler:
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, status_kib("VmRSS"))
+        self.peak = max(self.peak, status_kib("RssAnon"))
 
 
 def context_tokens(work: dict) -> tuple[int, int]:
@@ -195,7 +196,7 @@ def measure_load(connection, source: str, quantization: str | None) -> None:
     from mmkv.models import load_model
     from mmkv.quantization import Quantization
 
-    before = status_kib("VmRSS")
+    before = status_kib("RssAnon")
     with PeakSampler() as load:
         load_model(source, torch.device("cpu"), "bfloat16",
                    None if quantization is None else Quantization(quantization))
@@ -204,7 +205,7 @@ def measure_load(connection, source: str, quantization: str | None) -> None:
 
 def serve_variant(connection, kind: str, source: str, quantization: str | None, work: dict) -> None:
     """A variant's process: load, answer ``(workload name)`` with ``(seconds, outputs)`` until
-    ``None``, then send its peak resident bytes."""
+    ``None``, then send its resident bytes now and at their peak."""
     if kind == "mmkv":
         run, weight_bytes = open_mmkv(Path(source), quantization, work)
     else:
@@ -215,7 +216,7 @@ def serve_variant(connection, kind: str, source: str, quantization: str | None, 
     while (name := connection.recv()) is not None:
         outputs, seconds = timed(lambda: run(name))
         connection.send((seconds, outputs))
-    connection.send(status_kib("VmHWM"))
+    connection.send((status_kib("VmRSS"), status_kib("VmHWM")))
 
 
 def peer_files(model_dir: Path, work_dir: Path) -> dict[str, Path]:
@@ -300,7 +301,7 @@ def compare(sources: dict[str, tuple], work: dict, repeats: int) -> dict:
                     outputs[name, workload] = outs
         for name in names:
             links[name][0].send(None)
-            out[f"rss_{name}"] = links[name][0].recv()
+            out[f"rss_{name}"], out[f"peak_rss_{name}"] = links[name][0].recv()
     finally:
         for _, process in links.values():
             process.join(timeout=30)

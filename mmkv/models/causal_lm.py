@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from mmkv.models.base import (ATTENTION_NAME, ModelAdapter, ModelLoadError, load_hf_config,
                               resolve_dtype)
-from mmkv.quantization import Quantization
+from mmkv.quantization import Quantization, QuantizedLinearModule
 from mmkv.quantization.loading import finish_loading, loading_arguments
 
 TEXT_FAMILIES = ("llama", "qwen2", "mistral")
@@ -27,7 +27,20 @@ def from_pretrained(cls, path: Path, dtype: torch.dtype, attn_implementation,
             finish_loading(model)
     except (OSError, ValueError, RuntimeError, KeyError) as err:
         raise ModelLoadError(f"cannot load weights from {str(path)!r}: {err}") from err
+    detach_from_file(model)
     return model
+
+
+def detach_from_file(model: torch.nn.Module) -> None:
+    """Give the CPU parameters and buffers that transformers left as views of the memory-mapped
+    checkpoint memory of their own, one at a time, so the mapping and its resident pages go when
+    loading ends (else the file's pages stay resident beside the packed or quantized copies made
+    from them). A quantized layer's tensors are its own already."""
+    quantized = {id(t) for m in model.modules() if isinstance(m, QuantizedLinearModule)
+                 for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type == "cpu" and tensor.numel() and id(tensor) not in quantized:
+            tensor.data = tensor.data.clone()
 
 
 def load_causal_lm(path: Path, device: torch.device, dtype: str | torch.dtype,

@@ -74,8 +74,9 @@ SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 SYMBOLS = ("mmkv_paged_decode", "mmkv_rms_norm", "mmkv_rope_write", "mmkv_top_tokens",
-           "mmkv_int8_linear", "mmkv_int4_linear", "mmkv_int8_dequantize",
-           "mmkv_int4_dequantize")
+           "mmkv_int8_linear", "mmkv_int4_linear", "mmkv_int8_linear_bf16", "mmkv_int4_linear_bf16",
+           "mmkv_int8_dequantize", "mmkv_int4_dequantize", "mmkv_int8_dequantize_bf16",
+           "mmkv_int4_dequantize_bf16")
 
 log = logging.getLogger(__name__)
 

@@ -148,10 +148,13 @@ int mmkv_int8_linear(const float *x, int64_t rows, int64_t in, const int8_t *cod
 /* ---- int4 ------------------------------------------------------------------------------------ */
 
 /* Channels [o, o + C) for rows [r, r + R); xs holds each row's even inputs then its odd ones
- * (in / 2 each). */
+ * (in / 2 each); sc and mn the block's scales and offsets as float32, [C][groups]. With AVX-512 a
+ * group's sixteen possible weights (q * scale + offset, q = 0..15) are one register, and each
+ * nibble picks its weight from it (vpermps reads an index's low four bits), in place of widening,
+ * converting and scaling every code. */
 static inline __attribute__((always_inline)) void int4_tile(
-    const float *restrict xs, int64_t in, const uint8_t *restrict codes, const uint16_t *restrict scale,
-    const uint16_t *restrict offset, int64_t group, const float *restrict bias, float *restrict y,
+    const float *restrict xs, int64_t in, const uint8_t *restrict codes, const float *restrict sc,
+    const float *restrict mn, int64_t group, const float *restrict bias, float *restrict y,
     int64_t out, int64_t o, int64_t r, const int C, const int R) {
     const int64_t half = in / 2, groups = in / group, bytes = group / 2;
     float total[CHANNEL_BLOCK][ROW_TILE];
@@ -159,12 +162,18 @@ static inline __attribute__((always_inline)) void int4_tile(
     vec acc[CHANNEL_BLOCK][ROW_TILE];
     for (int c = 0; c < C; c++)
         for (int k = 0; k < R; k++) acc[c][k] = vzero();
+#if defined(__AVX512F__)
+    const __m512 codes16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
     for (int64_t g = 0; g < groups; g++) {
+#if defined(__AVX512F__)
+        vec table[CHANNEL_BLOCK];
+        for (int c = 0; c < C; c++)
+            table[c] = vfma(codes16, vset1(sc[c * groups + g]), vset1(mn[c * groups + g]));
+#else
         vec s[CHANNEL_BLOCK], m[CHANNEL_BLOCK];
-        for (int c = 0; c < C; c++) {
-            s[c] = vset1(half_to_float(scale[(o + c) * groups + g]));
-            m[c] = vset1(half_to_float(offset[(o + c) * groups + g]));
-        }
+        for (int c = 0; c < C; c++) s[c] = vset1(sc[c * groups + g]), m[c] = vset1(mn[c * groups + g]);
+#endif
         for (int64_t j = g * bytes; j < (g + 1) * bytes; j += LANES) {
             vec lo[CHANNEL_BLOCK], hi[CHANNEL_BLOCK];
             for (int c = 0; c < C; c++) {
@@ -172,11 +181,13 @@ static inline __attribute__((always_inline)) void int4_tile(
                 _mm_prefetch((const char *)(p + 8 * bytes), _MM_HINT_T0);
 #if defined(__AVX512F__)
                 const __m512i b = vbytes(p);
+                lo[c] = _mm512_permutexvar_ps(b, table[c]);
+                hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table[c]);
 #else
                 const __m256i b = vbytes(p);
-#endif
                 lo[c] = vfma(vlow(b), s[c], m[c]);
                 hi[c] = vfma(vhigh(b), s[c], m[c]);
+#endif
             }
             for (int k = 0; k < R; k++) {
                 const vec even = vload(xs + (r + k) * in + j), odd = vload(xs + (r + k) * in + half + j);
@@ -191,12 +202,11 @@ static inline __attribute__((always_inline)) void int4_tile(
         for (int k = 0; k < R; k++) {
             float sum = 0.0f;
             for (int64_t g = 0; g < groups; g++) {
-                const float sc = half_to_float(scale[(o + c) * groups + g]);
-                const float mn = half_to_float(offset[(o + c) * groups + g]);
+                const float s = sc[c * groups + g], m = mn[c * groups + g];
                 for (int64_t j = g * bytes; j < (g + 1) * bytes; j++) {
                     const uint8_t q = codes[(o + c) * half + j];
-                    sum += xs[(r + k) * in + j] * ((float)(q & 15) * sc + mn);
-                    sum += xs[(r + k) * in + half + j] * ((float)(q >> 4) * sc + mn);
+                    sum += xs[(r + k) * in + j] * ((float)(q & 15) * s + m);
+                    sum += xs[(r + k) * in + half + j] * ((float)(q >> 4) * s + m);
                 }
             }
             total[c][k] = sum;
@@ -209,13 +219,19 @@ static inline __attribute__((always_inline)) void int4_tile(
 static void int4_channels(const float *xs, int64_t rows, int64_t in, const uint8_t *codes,
                           const uint16_t *scale, const uint16_t *offset, int64_t group,
                           const float *bias, float *y, int64_t out, int64_t o, const int C) {
+    const int64_t groups = in / group;
+    float sc[CHANNEL_BLOCK * groups], mn[CHANNEL_BLOCK * groups];  /* the block's, widened once */
+    for (int64_t i = 0; i < C * groups; i++) {
+        sc[i] = half_to_float(scale[o * groups + i]);
+        mn[i] = half_to_float(offset[o * groups + i]);
+    }
     int64_t r = 0;
     for (; r + ROW_TILE <= rows; r += ROW_TILE)
-        int4_tile(xs, in, codes, scale, offset, group, bias, y, out, o, r, C, 4);
+        int4_tile(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 4);
     switch (rows - r) {
-    case 3: int4_tile(xs, in, codes, scale, offset, group, bias, y, out, o, r, C, 3); break;
-    case 2: int4_tile(xs, in, codes, scale, offset, group, bias, y, out, o, r, C, 2); break;
-    case 1: int4_tile(xs, in, codes, scale, offset, group, bias, y, out, o, r, C, 1); break;
+    case 3: int4_tile(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 3); break;
+    case 2: int4_tile(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 2); break;
+    case 1: int4_tile(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 1); break;
     }
 }
 
@@ -251,6 +267,151 @@ int mmkv_int4_linear(const float *x, int64_t rows, int64_t in, const uint8_t *co
     return 0;
 }
 
+/* ---- bfloat16 rows (AVX512-BF16) ---------------------------------------------------------------
+ * A bfloat16 model's rows are multiplied by bfloat16 weights with the dot-product instruction
+ * (two products a lane, summed in float32), as the bfloat16 GEMM does: int8 codes are exact in
+ * bfloat16 (the scale multiplies the finished sum); an int4 group's sixteen weights are rounded
+ * to bfloat16 once, the weight the model's dtype holds. Inputs must come in whole runs of 32
+ * (int4: groups a multiple of 32); otherwise, or without AVX512-BF16, these return -1 and the
+ * caller runs the float32 kernels. */
+
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void int8_tile_bf16(
+    const uint16_t *restrict x, int64_t in, const int8_t *restrict codes, const float *restrict scale,
+    const float *restrict bias, float *restrict y, int64_t out, int64_t o, int64_t r, const int C,
+    const int R) {
+    __m512 acc[CHANNEL_BLOCK][ROW_TILE];
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) acc[c][k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < in; i += 32) {
+        __m512bh w[CHANNEL_BLOCK];
+        for (int c = 0; c < C; c++) {
+            const int8_t *p = codes + (o + c) * in + i;
+            w[c] = _mm512_cvtne2ps_pbh(vint8(p + 16), vint8(p));
+        }
+        for (int k = 0; k < R; k++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r + k) * in + i);
+            for (int c = 0; c < C; c++) acc[c][k] = _mm512_dpbf16_ps(acc[c][k], xv, w[c]);
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++)
+            y[(r + k) * out + o + c] = _mm512_reduce_add_ps(acc[c][k]) * scale[o + c] + (bias ? bias[o + c] : 0.0f);
+}
+
+static inline __attribute__((always_inline)) void int4_tile_bf16(
+    const uint16_t *restrict x, int64_t in, const uint8_t *restrict codes, const float *restrict sc,
+    const float *restrict mn, int64_t group, const float *restrict bias, float *restrict y,
+    int64_t out, int64_t o, int64_t r, const int C, const int R) {
+    const int64_t half = in / 2, groups = in / group, bytes = group / 2;
+    const __m512 codes16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[CHANNEL_BLOCK][ROW_TILE];
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) acc[c][k] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i table[CHANNEL_BLOCK];  /* the group's 16 weights as bfloat16, twice over */
+        for (int c = 0; c < C; c++) {
+            const __m512 t = _mm512_fmadd_ps(codes16, _mm512_set1_ps(sc[c * groups + g]),
+                                             _mm512_set1_ps(mn[c * groups + g]));
+            table[c] = (__m512i)_mm512_cvtne2ps_pbh(t, t);
+        }
+        for (int64_t j = g * bytes; j < (g + 1) * bytes; j += 16) {
+            __m512bh w[CHANNEL_BLOCK];
+            for (int c = 0; c < C; c++) {
+                const uint8_t *p = codes + (o + c) * half + j;
+                _mm_prefetch((const char *)(p + 8 * bytes), _MM_HINT_T0);
+                const __m512i b = vbytes(p);  /* byte j in lane j: word indices low, high nibble */
+                const __m512i index = _mm512_or_si512(b, _mm512_slli_epi32(b, 12));
+                w[c] = (__m512bh)_mm512_permutexvar_epi16(index, table[c]);
+            }
+            for (int k = 0; k < R; k++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r + k) * in + 2 * j);
+                for (int c = 0; c < C; c++) acc[c][k] = _mm512_dpbf16_ps(acc[c][k], xv, w[c]);
+            }
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++)
+            y[(r + k) * out + o + c] = _mm512_reduce_add_ps(acc[c][k]) + (bias ? bias[o + c] : 0.0f);
+}
+
+static void int8_channels_bf16(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,
+                               const float *scale, const float *bias, float *y, int64_t out,
+                               int64_t o, const int C) {
+    int64_t r = 0;
+    for (; r + ROW_TILE <= rows; r += ROW_TILE) int8_tile_bf16(x, in, codes, scale, bias, y, out, o, r, C, 4);
+    switch (rows - r) {
+    case 3: int8_tile_bf16(x, in, codes, scale, bias, y, out, o, r, C, 3); break;
+    case 2: int8_tile_bf16(x, in, codes, scale, bias, y, out, o, r, C, 2); break;
+    case 1: int8_tile_bf16(x, in, codes, scale, bias, y, out, o, r, C, 1); break;
+    }
+}
+
+static void int4_channels_bf16(const uint16_t *x, int64_t rows, int64_t in, const uint8_t *codes,
+                               const uint16_t *scale, const uint16_t *offset, int64_t group,
+                               const float *bias, float *y, int64_t out, int64_t o, const int C) {
+    const int64_t groups = in / group;
+    float sc[CHANNEL_BLOCK * groups], mn[CHANNEL_BLOCK * groups];
+    for (int64_t i = 0; i < C * groups; i++) {
+        sc[i] = half_to_float(scale[o * groups + i]);
+        mn[i] = half_to_float(offset[o * groups + i]);
+    }
+    int64_t r = 0;
+    for (; r + ROW_TILE <= rows; r += ROW_TILE)
+        int4_tile_bf16(x, in, codes, sc, mn, group, bias, y, out, o, r, C, 4);
+    switch (rows - r) {
+    case 3: int4_tile_bf16(x, in, codes, sc, mn, group, bias, y, out, o, r, C, 3); break;
+    case 2: int4_tile_bf16(x, in, codes, sc, mn, group, bias, y, out, o, r, C, 2); break;
+    case 1: int4_tile_bf16(x, in, codes, sc, mn, group, bias, y, out, o, r, C, 1); break;
+    }
+}
+#endif
+
+int mmkv_int8_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,
+                          const float *scale, const float *bias, float *y, int64_t out) {
+#if defined(__AVX512BF16__)
+    if (in % 32) return -1;
+    const int64_t blocks = (out + CHANNEL_BLOCK - 1) / CHANNEL_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t o = b * CHANNEL_BLOCK;
+        if (o + CHANNEL_BLOCK <= out) {
+            int8_channels_bf16(x, rows, in, codes, scale, bias, y, out, o, CHANNEL_BLOCK);
+        } else {
+            for (int64_t c = o; c < out; c++) int8_channels_bf16(x, rows, in, codes, scale, bias, y, out, c, 1);
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)rows, (void)in, (void)codes, (void)scale, (void)bias, (void)y, (void)out;
+    return -1;
+#endif
+}
+
+int mmkv_int4_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const uint8_t *codes,
+                          const uint16_t *scale, const uint16_t *offset, int64_t group,
+                          const float *bias, float *y, int64_t out) {
+#if defined(__AVX512BF16__)
+    if (group % 32 || in % group) return -1;
+    const int64_t blocks = (out + CHANNEL_BLOCK - 1) / CHANNEL_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t o = b * CHANNEL_BLOCK;
+        if (o + CHANNEL_BLOCK <= out) {
+            int4_channels_bf16(x, rows, in, codes, scale, offset, group, bias, y, out, o, CHANNEL_BLOCK);
+        } else {
+            for (int64_t c = o; c < out; c++)
+                int4_channels_bf16(x, rows, in, codes, scale, offset, group, bias, y, out, c, 1);
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)rows, (void)in, (void)codes, (void)scale, (void)offset, (void)group, (void)bias;
+    (void)y, (void)out;
+    return -1;
+#endif
+}
+
 /* ---- dequantizing a whole weight (for many rows, multiplied by the float GEMM) ---------------- */
 
 /* w[o][i] = codes[o][i] * scale[o], float32 [out][in]. */
@@ -279,6 +440,64 @@ int mmkv_int4_dequantize(const uint8_t *codes, const uint16_t *scale, const uint
             for (int64_t j = 0; j < bytes; j++) {
                 row[2 * j] = (float)(q[j] & 15) * s + m;
                 row[2 * j + 1] = (float)(q[j] >> 4) * s + m;
+            }
+        }
+    return 0;
+}
+
+/* The same weights rounded to bfloat16, [out][in] (what a bfloat16 model multiplies by): with
+ * AVX512-BF16, an int4 group's sixteen weights are rounded once and each byte of codes picks its
+ * two (as the bfloat16 kernel above does); else each weight is computed in float32 and rounded
+ * to nearest even. */
+static inline uint16_t float_to_bfloat16(float f) {
+    union { float f; uint32_t u; } v = {.f = f};
+    return (uint16_t)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);
+}
+
+int mmkv_int8_dequantize_bf16(const int8_t *codes, const float *scale, int64_t out, int64_t in,
+                              uint16_t *w) {
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        const float s = scale[o];
+        int64_t i = 0;
+#if defined(__AVX512BF16__)
+        for (; i + 32 <= in; i += 32) {
+            const int8_t *p = codes + o * in + i;
+            const __m512 sv = _mm512_set1_ps(s);
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(vint8(p + 16), sv), _mm512_mul_ps(vint8(p), sv));
+            _mm512_storeu_si512(w + o * in + i, (__m512i)v);
+        }
+#endif
+        for (; i < in; i++) w[o * in + i] = float_to_bfloat16((float)codes[o * in + i] * s);
+    }
+    return 0;
+}
+
+int mmkv_int4_dequantize_bf16(const uint8_t *codes, const uint16_t *scale, const uint16_t *offset,
+                              int64_t group, int64_t out, int64_t in, uint16_t *w) {
+    if (group < 2 || group % 2 || in % group) return -1;
+    const int64_t groups = in / group, bytes = group / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float s = half_to_float(scale[o * groups + g]), m = half_to_float(offset[o * groups + g]);
+            const uint8_t *q = codes + o * (in / 2) + g * bytes;
+            uint16_t *row = w + o * in + g * group;
+            int64_t j = 0;
+#if defined(__AVX512BF16__)
+            const __m512 t = _mm512_fmadd_ps(
+                _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(s),
+                _mm512_set1_ps(m));
+            const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t, t);
+            for (; j + 16 <= bytes; j += 16) {
+                const __m512i b = vbytes(q + j);
+                _mm512_storeu_si512(row + 2 * j, _mm512_permutexvar_epi16(
+                    _mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table));
+            }
+#endif
+            for (; j < bytes; j++) {
+                row[2 * j] = float_to_bfloat16((float)(q[j] & 15) * s + m);
+                row[2 * j + 1] = float_to_bfloat16((float)(q[j] >> 4) * s + m);
             }
         }
     return 0;

@@ -124,13 +124,27 @@ class Quantization:
         return "int4" if self.method == "int4" and in_features % self.group_size == 0 else "int8"
 
 
+CHUNK_ELEMENTS = 1 << 20  # weights quantized at a time: float32 temporaries stay a few MiB
+
+
+def chunks(rows: int, features: int) -> list[tuple[int, int]]:
+    """Row ranges of at most ``CHUNK_ELEMENTS`` weights (at least one row each)."""
+    step = max(1, CHUNK_ELEMENTS // features)
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     """Symmetric per-output-channel int8 codes of a float weight ``[out, in]``."""
-    w = weight.detach().float()
-    scale = w.abs().amax(1) / INT8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return Int8Weight(codes.contiguous(), scale.contiguous())
+    out, features = weight.shape
+    codes = torch.empty(out, features, dtype=torch.int8)
+    scale = torch.empty(out, dtype=torch.float32)
+    for start, end in chunks(out, features):
+        w = weight[start:end].detach().float()
+        s = w.abs().amax(1) / INT8_MAX
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        codes[start:end] = torch.round(w / s[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+        scale[start:end] = s
+    return Int8Weight(codes, scale)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
@@ -138,15 +152,20 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
     out, features = weight.shape
     if features % group_size:
         raise ValueError(f"int4 groups of {group_size} do not tile {features} inputs")
-    w = weight.detach().float().view(out, features // group_size, group_size)
-    low, high = w.amin(-1), w.amax(-1)
-    offset = low.half()
-    scale = ((high - offset.float()) / INT4_MAX).half()
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round((w - offset.float()[..., None]) / scale.float()[..., None])
-    codes = codes.clamp_(0, INT4_MAX).to(torch.uint8).view(out, features // 2, 2)
-    packed = codes[..., 0] | (codes[..., 1] << 4)
-    return Int4Weight(packed.contiguous(), scale.contiguous(), offset.contiguous(), group_size)
+    groups = features // group_size
+    packed = torch.empty(out, features // 2, dtype=torch.uint8)
+    scale = torch.empty(out, groups, dtype=torch.float16)
+    offset = torch.empty(out, groups, dtype=torch.float16)
+    for start, end in chunks(out, features):
+        w = weight[start:end].detach().float().view(end - start, groups, group_size)
+        low = w.amin(-1).half()
+        s = ((w.amax(-1) - low.float()) / INT4_MAX).half()
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        codes = torch.round((w - low.float()[..., None]) / s.float()[..., None])
+        codes = codes.clamp_(0, INT4_MAX).to(torch.uint8).view(end - start, features // 2, 2)
+        packed[start:end] = codes[..., 0] | (codes[..., 1] << 4)
+        scale[start:end], offset[start:end] = s, low
+    return Int4Weight(packed, scale, offset, group_size)
 
 
 def quantize(weight: torch.Tensor, quantization: Quantization) -> QuantizedWeight:

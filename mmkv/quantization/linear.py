@@ -8,7 +8,10 @@ Two ways to run one, chosen per call by the number of rows:
   decode step is bound by the bytes it reads, so this is where quantized weights pay.
 - **dense** (more rows, other devices, or no native library): the weight is dequantized into the
   rows' dtype for this call alone and multiplied by ``F.linear`` (on the CPU, oneDNN or MKL), so a
-  prefill of many rows runs at the full-precision GEMM's speed plus one decode of the weight.
+  prefill of many rows runs at the full-precision GEMM's speed plus one decode of the weight. On
+  the CPU the decode goes into a buffer each thread keeps for it (``dequantize_buffer``: one
+  layer's weight in full precision, the largest met), so no call pays a fresh allocation's page
+  faults.
 
 ``NATIVE_ROWS`` is where the native kernel stopped being faster on the measured machines
 (``python -m mmkv.bench weights --kernels --json``; docs/quantization.md). Guarantees: either way
@@ -19,6 +22,7 @@ only (and a float32 copy of a bias).
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -37,21 +41,39 @@ _INT8_DEQUANTIZE_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctype
 _INT4_DEQUANTIZE_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                          ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 NATIVE_GROUP = 32  # an int4 group the native kernel runs must be a multiple of this
+DEQUANTIZED_DTYPES = (torch.float32, torch.bfloat16)  # what the native dequantization writes
+
+_BUFFERS = threading.local()  # each thread's buffers for a dequantized weight, by dtype
+
+
+def dequantize_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's buffer for ``numel`` values of ``dtype`` (grown to the largest asked; the
+    engine's step and the vision encoder's thread each have their own)."""
+    buffers = _BUFFERS.__dict__.setdefault("by_dtype", {})
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]
 
 
 def native_kernels(weight: QuantizedWeight) -> tuple | None:
-    """The native kernels that run ``weight`` (its linear layer, its dequantization), or None
-    (not on the CPU, no library, or an int4 group size the kernel does not take)."""
+    """The native kernels that run ``weight`` (its linear layer on float32 rows, on bfloat16
+    rows, its dequantization), or None (not on the CPU, no library, or an int4 group size the
+    kernel does not take)."""
     if weight.codes.device.type != "cpu":
         return None
     if isinstance(weight, Int8Weight):
         kernels = (native.function("mmkv_int8_linear", _INT8_ARGS),
-                   native.function("mmkv_int8_dequantize", _INT8_DEQUANTIZE_ARGS))
+                   native.function("mmkv_int8_linear_bf16", _INT8_ARGS),
+                   native.function("mmkv_int8_dequantize", _INT8_DEQUANTIZE_ARGS),
+                   native.function("mmkv_int8_dequantize_bf16", _INT8_DEQUANTIZE_ARGS))
     elif weight.group_size % NATIVE_GROUP:
         return None
     else:
         kernels = (native.function("mmkv_int4_linear", _INT4_ARGS),
-                   native.function("mmkv_int4_dequantize", _INT4_DEQUANTIZE_ARGS))
+                   native.function("mmkv_int4_linear_bf16", _INT4_ARGS),
+                   native.function("mmkv_int4_dequantize", _INT4_DEQUANTIZE_ARGS),
+                   native.function("mmkv_int4_dequantize_bf16", _INT4_DEQUANTIZE_ARGS))
     return None if kernels[0] is None else kernels
 
 
@@ -63,6 +85,7 @@ class QuantizedLinear:
         self.bias = None if bias is None else bias.detach()
         self.bias32 = None if bias is None else bias.detach().float().contiguous()
         self.kernels = native_kernels(weight)
+        self.bfloat16_kernel = self.kernels is not None  # until the kernel says it cannot
         self.out_features, self.in_features = weight.shape
 
     @property
@@ -74,12 +97,14 @@ class QuantizedLinear:
             return self.native(x)
         return self.dense(x)
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 weight (natively where the kernels are built)."""
-        if self.kernels is None:
-            return self.weight.dequantize()
-        w, kernel = self.weight, self.kernels[1]
-        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight in ``dtype``: natively into this thread's buffer where the kernels are
+        built (float32 or bfloat16; valid until this thread's next call), else a new tensor."""
+        if self.kernels is None or dtype not in DEQUANTIZED_DTYPES:
+            return self.weight.dequantize(dtype)
+        w, kernel = self.weight, self.kernels[2 if dtype == torch.float32 else 3]
+        out = dequantize_buffer(self.out_features * self.in_features, dtype)
+        out = out.view(self.out_features, self.in_features)
         if isinstance(w, Int8Weight):
             kernel(w.codes.data_ptr(), w.scale.data_ptr(), self.out_features, self.in_features,
                    out.data_ptr())
@@ -89,23 +114,33 @@ class QuantizedLinear:
         return out
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
-        """The rows through the weight dequantized for this call (in the rows' dtype)."""
-        return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+        """The rows through the weight dequantized for this call, in the rows' dtype."""
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
-        """The rows through the native kernel (float32 arithmetic whatever ``x``'s dtype)."""
-        rows = x.float().contiguous()
+        """The rows through the native kernel: bfloat16 rows by bfloat16 weights where the CPU
+        has the instruction (``quantized_linear.c``), else float32 arithmetic."""
+        if x.dtype == torch.bfloat16 and self.bfloat16_kernel:
+            y = self.run_kernel(self.kernels[1], x.contiguous())
+            if y is not None:
+                return y.to(x.dtype)
+            self.bfloat16_kernel = False
+        y = self.run_kernel(self.kernels[0], x.float().contiguous())
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def run_kernel(self, kernel, rows: torch.Tensor) -> torch.Tensor | None:
+        """float32 ``rows @ w.T + bias`` by ``kernel``, or None where it declines the shape."""
         y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         bias = 0 if self.bias32 is None else self.bias32.data_ptr()
-        w, kernel = self.weight, self.kernels[0]
+        w = self.weight
         if isinstance(w, Int8Weight):
-            kernel(rows.data_ptr(), rows.shape[0], self.in_features, w.codes.data_ptr(),
-                        w.scale.data_ptr(), bias, y.data_ptr(), self.out_features)
+            status = kernel(rows.data_ptr(), rows.shape[0], self.in_features, w.codes.data_ptr(),
+                            w.scale.data_ptr(), bias, y.data_ptr(), self.out_features)
         else:
-            kernel(rows.data_ptr(), rows.shape[0], self.in_features, w.codes.data_ptr(),
-                        w.scale.data_ptr(), w.offset.data_ptr(), w.group_size, bias, y.data_ptr(),
-                        self.out_features)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+            status = kernel(rows.data_ptr(), rows.shape[0], self.in_features, w.codes.data_ptr(),
+                            w.scale.data_ptr(), w.offset.data_ptr(), w.group_size, bias, y.data_ptr(),
+                            self.out_features)
+        return y if status == 0 else None
 
 
 class QuantizedLinearModule(torch.nn.Module):
