@@ -230,3 +230,64 @@ def test_qwen2_5_vl_matches_transformers_on_the_dequantized_weights(tmp_path, me
     for (text, images), out in zip(requests, outs):
         prompt, answer = qwen_greedy(model, processor, text, images, P.max_tokens)
         assert out.prompt_token_ids == prompt and out.token_ids == answer, (text, method)
+
+
+# -- composes with the rest of the engine ---------------------------------------------------------
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_preemption_and_resize_over_quantized_weights(model_dirs, preemption):
+    """A pool too small for the batch preempts (swapping or recomputing), then shrinks and grows
+    mid-run: outputs stay transformers' on the dequantized weights."""
+    oracle = dequantized(load_hf(model_dirs["llama"]), "int4")
+    per_block = 2 * 2 * 4 * 2 * 16 * 4  # layers x (K, V) x block x kv heads x head dim x fp32
+    eng = Engine(model_dirs["llama"], quantization="int4", block_size=4, preemption=preemption,
+                 kv_cache_memory=24 * per_block, host_kv_memory=1 << 20, debug=True)
+    assert eng.kv.bytes_per_block == per_block
+    prompts = [[(11 * i + j) % 250 for j in range(18)] for i in range(5)]
+    ids = {eng.add_request(p, P): p for p in prompts}
+    done, steps = {}, 0
+    while eng.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        steps += 1
+        if steps == 12:
+            eng.resize_kv_cache(64 * per_block)
+    assert done == {i: hf_greedy(oracle, p, P.max_tokens) for i, p in ids.items()}
+    stats = eng.stats()
+    assert stats[f"preemptions_{preemption}"] > 0 and stats["blocks_in_use"] == 0
+
+
+def test_served_quantized_model_shares_images_and_reports_its_weight_bytes():
+    """``mmkv serve --quantization int4`` on the bundled model: a second question about the same
+    image reuses its cross-attention K/V, and ``/metrics`` reports the engine's weight bytes."""
+    import argparse
+
+    import httpx
+    from openai import OpenAI
+
+    from mmkv.cli import add_batch_arguments, add_serve_arguments
+    from mmkv.engine_args import engine_options
+    from server_harness import MODEL_NAME, png_data_url, scenes_and_reports, start_server
+
+    batch = argparse.ArgumentParser()
+    add_batch_arguments(batch)  # run-batch and its Ray replicas take the same engine options
+    assert engine_options(batch.parse_args(["-i", "-", "-o", "-", "--quantization", "int8",
+                                            "--quantize-lm-head"]))["quantize_lm_head"] is True
+    serve = argparse.ArgumentParser()
+    add_serve_arguments(serve)
+    args = serve.parse_args(["--quantization", "int4", "--kv-cache-memory", "32MiB",
+                             "--host-kv-memory", "4MiB"])
+    options = engine_options(args)
+    assert (options["quantization"], options["quantization_group_size"]) == ("int4", 32)
+    running = start_server(Engine(args.model, **options))
+    try:
+        url = png_data_url(scenes_and_reports(3, 1, 0)[0][0].render())
+        client = OpenAI(base_url=f"{running.url}/v1", api_key="none")
+        for question in ("how many shapes?", "what colour is the circle?"):
+            client.chat.completions.create(model=MODEL_NAME, max_tokens=3, temperature=0, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": question}]}])
+        stats = httpx.get(f"{running.url}/v1/stats").json()["replicas"]["0"]
+        assert stats["xattn_blocks_reused"] > 0 and stats["encoder_calls"] == 1
+        assert running.metrics()["mmkv_weight_bytes"] == stats["weight_bytes"] == running.engine.weight_bytes
+        assert stats["weight_bytes"] < 0.6 * Engine(kv_cache_memory="4MiB").weight_bytes
+    finally:
+        running.stop()
