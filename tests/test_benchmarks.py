@@ -512,6 +512,12 @@ def test_weights_bench_runs_every_variant_in_its_own_process():
         assert result["llama_cpp"] == llama_cpp_peer.available()
 
 
+def test_weights_bench_times_every_way_a_quantized_layer_runs():
+    result = bench("weights", "--kernels", "--hidden", "128", "--layers", "1")
+    for way in ("bf16_packed", "int8_native", "int8_dense", "int4_native", "int4_dense", "int8_torch_int8pack"):
+        assert result[f"kernel_{way}_704x128_r1"] > 0 and result[f"kernel_{way}_128x352_r512"] > 0
+
+
 def test_kv_dtype_bench_rotates_the_order_its_sides_take_turns_in():
     """mmkv and the llama.cpp peers alternate: each leads one round in every three, none is timed
     in a block before the others."""

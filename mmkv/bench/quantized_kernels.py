@@ -1,7 +1,13 @@
 """Layer-level times of quantized weights: for each GEMM shape of a Llama layer and several row
 counts, the ways a quantized layer can run, beside the unquantized bfloat16 layer. What
 ``mmkv.quantization.linear.NATIVE_ROWS`` was chosen from (``python -m mmkv.bench weights
---kernels``)."""
+--kernels``).
+
+Each way runs over ``LAYERS`` distinct weights of the shape in turn, as a model's steps do, so a
+weight comes from memory, not from the cache its previous call left it in (a weight of a few MiB
+would otherwise stay cached and make every way compute-bound). A figure is the milliseconds of one
+layer call: the fastest pass over all of them, divided by their number.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +18,19 @@ import torch
 from mmkv.models.packed_linear import PackedLinear
 from mmkv.quantization import Quantization, QuantizedLinear, quantize
 
-ROWS = (1, 4, 16, 32, 64, 128, 512)
+ROWS = (1, 4, 16, 32, 64, 512)
+LAYERS = 8  # distinct weights per shape: more bytes than a CPU's last-level cache holds
 
 
-def fastest_ms(fn, turns: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(turns):
+def per_layer_ms(layers: list, call, passes: int = 3) -> float:
+    call(layers[0])
+    best = float("inf")
+    for _ in range(passes):
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(min(times) * 1e3, 3)
+        for layer in layers:
+            call(layer)
+        best = min(best, time.perf_counter() - start)
+    return round(best / len(layers) * 1e3, 3)
 
 
 def shapes(config: dict) -> dict[str, tuple[int, int]]:
@@ -38,18 +46,21 @@ def kernel_times(config: dict) -> dict[str, float]:
     out = {}
     torch.manual_seed(0)
     for (rows_out, rows_in) in shapes(config).values():
-        w = torch.randn(rows_out, rows_in) * 0.02
-        bf16 = PackedLinear(w.bfloat16(), None)
-        layers = {m: QuantizedLinear(quantize(w, Quantization(m)), None) for m in ("int8", "int4")}
-        int8 = layers["int8"].weight
+        weights = [torch.randn(rows_out, rows_in) * 0.02 for _ in range(LAYERS)]
+        ways = {"bf16_packed": [PackedLinear(w.bfloat16(), None) for w in weights]}
+        for method in ("int8", "int4"):
+            ways[method] = [QuantizedLinear(quantize(w, Quantization(method)), None) for w in weights]
+        del weights
         for rows in ROWS:
             x = torch.randn(rows, rows_in).bfloat16()
             tag = f"{rows_out}x{rows_in}_r{rows}"
-            out[f"kernel_bf16_packed_{tag}"] = fastest_ms(lambda: bf16(x))
-            for method, layer in layers.items():
-                if layer.kernels is not None:
-                    out[f"kernel_{method}_native_{tag}"] = fastest_ms(lambda: layer.native(x))
-                out[f"kernel_{method}_dense_{tag}"] = fastest_ms(lambda: layer.dense(x))
-            out[f"kernel_int8_torch_int8pack_{tag}"] = fastest_ms(
-                lambda: torch._weight_int8pack_mm(x, int8.codes, int8.scale.bfloat16()))
+            out[f"kernel_bf16_packed_{tag}"] = per_layer_ms(ways["bf16_packed"], lambda layer: layer(x))
+            for method in ("int8", "int4"):
+                layers = ways[method]
+                if layers[0].kernels is not None:
+                    out[f"kernel_{method}_native_{tag}"] = per_layer_ms(layers, lambda layer: layer.native(x))
+                out[f"kernel_{method}_dense_{tag}"] = per_layer_ms(layers, lambda layer: layer.dense(x))
+            out[f"kernel_int8_torch_int8pack_{tag}"] = per_layer_ms(
+                ways["int8"], lambda layer: torch._weight_int8pack_mm(
+                    x, layer.weight.codes, layer.weight.scale.bfloat16()))
     return out

@@ -29,10 +29,11 @@ seconds over mmkv's: above 1, mmkv is faster), and ``greedy_agreement_<variant>`
 generated tokens equal to mmkv bfloat16's before each sequence's first difference (random weights
 make near ties, and every quantization breaks some differently).
 
-``--kernels`` adds the layer-level measurement behind ``mmkv.quantization.linear.NATIVE_ROWS``:
-for the model's four GEMM shapes and several row counts, the native kernel against the weight
-dequantized for the float GEMM, torch's ``_weight_int8pack_mm``, and the unquantized bfloat16
-layer (``kernel_<method>_<way>_<out>x<in>_r<rows>`` milliseconds, the fastest of 5).
+``--kernels`` measures layers instead (``mmkv.bench.quantized_kernels``, what
+``mmkv.quantization.linear.NATIVE_ROWS`` was chosen from): for the model's four GEMM shapes and
+several row counts, the native kernel against the weight dequantized for the float GEMM, torch's
+``_weight_int8pack_mm`` and the unquantized bfloat16 layer (``kernel_<method>_<way>_<out>x<in>_r<rows>``
+milliseconds per layer call, weights streamed from memory).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", default="bf16,int8,int4", help="mmkv's variants to run")
     p.add_argument("--peers", default="", help="llama.cpp: also its F16, Q8_0, Q4_0 and Q4_K_M")
-    p.add_argument("--kernels", action="store_true", help="also time the layer kernels")
+    p.add_argument("--kernels", action="store_true", help="time the layer kernels instead")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -247,6 +248,10 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--variants takes {', '.join(MMKV_VARIANTS)}; got {', '.join(unknown)}")
     if args.peers and args.peers != "llama.cpp":
         raise SystemExit(f"--peers takes llama.cpp, got {args.peers!r}")
+    if args.kernels:
+        from mmkv.bench.quantized_kernels import kernel_times
+
+        return {"model": model_config(args.hidden, args.layers), **kernel_times(model_config(args.hidden, args.layers))}
     work = workload(args)
     result: dict = {"model": model_config(args.hidden, args.layers), "repeats": args.repeats}
     missing = llama_cpp_peer.available() if args.peers else None
@@ -259,10 +264,6 @@ def run(args: argparse.Namespace) -> dict:
             for variant, path in peer_files(model_dir, Path(tmp) / "gguf").items():
                 sources[variant] = ("llama.cpp", str(path), None)
         result.update(compare(sources, work, args.repeats))
-    if args.kernels:
-        from mmkv.bench.quantized_kernels import kernel_times
-
-        result.update(kernel_times(model_config(args.hidden, args.layers)))
     return result
 
 

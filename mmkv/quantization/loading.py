@@ -25,6 +25,7 @@ from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from mmkv.models.base import release_free_heap
 from mmkv.quantization.formats import Quantization, quantize
 from mmkv.quantization.linear import QuantizedLinearModule
 
@@ -92,7 +93,9 @@ class QuantizeOnLoad(ConversionOps):
         (key, value), = input_dict.items()
         weight = value[0] if isinstance(value, list) else value
         prefix = key.rpartition(".")[0]
-        return QuantizedLinearModule.state_of(prefix, quantize(weight, self.quantization))
+        state = QuantizedLinearModule.state_of(prefix, quantize(weight, self.quantization))
+        release_free_heap()  # the quantizing's temporaries
+        return state
 
 
 class MmkvQuantizer(HfQuantizer):
