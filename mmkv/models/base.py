@@ -12,8 +12,6 @@ first slots, since a block holds either text K/V or image K/V, never both.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
 import os
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from transformers import AttentionInterface, AutoConfig, PretrainedConfig
 
 from cache import KVLayout
 from cache.kv_format import check_head_dim, storage_dtype
+from mmkv.heap import release_free_heap
 from mmkv.models.fused_layer import FusedDecoderLayer, norm_function, rotation_signs
 from mmkv.models.packed_linear import PackedLinear, PlainLinear, make_linear, release
 from mmkv.quantization import Quantization, QuantizedLinear, QuantizedLinearModule
@@ -82,24 +81,6 @@ def load_hf_config(path: str | Path) -> PretrainedConfig:
         return AutoConfig.from_pretrained(Path(path))
     except (ValueError, KeyError, TypeError) as err:
         raise ModelLoadError(f"{Path(path) / 'config.json'} is not a valid model config: {err}") from err
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-def release_free_heap() -> None:
-    """Hand the C heap's free pages back to the operating system (glibc's ``malloc_trim``; a no-op
-    elsewhere). Loading frees layer-sized tensors in the middle of the heap (float weights read
-    and quantized, weights packed or fused into new copies), which glibc otherwise keeps resident:
-    with quantized weights that was about a fifth of the model more (``bench weights``' load_rss)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def parameter_count(module: torch.nn.Module) -> int:

@@ -13,8 +13,9 @@ Two ways to run one, chosen per call by the number of rows:
   layer's weight in full precision, the largest met), so no call pays a fresh allocation's page
   faults.
 
-``NATIVE_ROWS`` is where the native kernel stopped being faster on the measured machines
-(``python -m mmkv.bench weights --kernels --json``; docs/quantization.md). Guarantees: either way
+``NATIVE_ROWS`` is where the native kernel stopped being faster on the measured machine (between
+16 and 32 rows on TinyLlama's layer shapes: ``python -m mmkv.bench weights --kernels --json``;
+docs/quantization.md). Guarantees: either way
 the result is ``F.linear(x, w, bias)`` up to float rounding; the layer holds the quantized weight
 only (and a float32 copy of a bias).
 """
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from mmkv import native
 from mmkv.quantization.formats import Int4Weight, Int8Weight, QuantizedWeight
 
-NATIVE_ROWS = 32  # row counts up to this run natively on the CPU; more run dense
+NATIVE_ROWS = 16  # row counts up to this run natively on the CPU; more run dense
 
 _INT8_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]

@@ -25,7 +25,7 @@ from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from mmkv.models.base import release_free_heap
+from mmkv.heap import release_free_heap
 from mmkv.quantization.formats import Quantization, quantize
 from mmkv.quantization.linear import QuantizedLinearModule
 
