@@ -452,7 +452,8 @@ def test_a_benchmark_whose_outputs_fail_a_check_exits_non_zero(monkeypatch, caps
     failing = types.SimpleNamespace(__doc__=f"a benchmark whose {check} is false",
                                     add_arguments=lambda parser: None,
                                     run=lambda args: {check: False, "speedup": 9.0})
-    monkeypatch.setitem(bench_main.BENCHMARKS, "failing", failing)
+    monkeypatch.setitem(sys.modules, "mmkv.bench.failing_bench", failing)
+    monkeypatch.setitem(bench_main.BENCHMARKS, "failing", "failing_bench")
     with pytest.raises(SystemExit, match=message):
         bench_main.main(["failing", "--json"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1])[check] is False

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import sys
 
-from mmkv.bench import (cache_bench, cross_bench, distributed_bench, gpu_bench, image_qa_bench,
-                        kv_dtype_bench, preemption_bench, prefix_bench, serve_bench, spec_bench,
-                        spec_compare, structured_bench, weights_bench)
-
-BENCHMARKS = {"cache": cache_bench, "prefix": prefix_bench, "image-qa": image_qa_bench,
-              "spec": spec_bench, "spec-compare": spec_compare, "cross": cross_bench,
-              "serve": serve_bench, "gpu": gpu_bench, "distributed": distributed_bench,
-              "preemption": preemption_bench, "kv-dtype": kv_dtype_bench, "structured": structured_bench,
-              "weights": weights_bench}
+# name: module under mmkv.bench. Imported when the command runs, not when this module is: a
+# benchmark's spawned processes import the command's main module again, and must not load torch
+# for it (bench weights' llama.cpp processes measure their own memory).
+BENCHMARKS = {"cache": "cache_bench", "prefix": "prefix_bench", "image-qa": "image_qa_bench",
+              "spec": "spec_bench", "spec-compare": "spec_compare", "cross": "cross_bench",
+              "serve": "serve_bench", "gpu": "gpu_bench", "distributed": "distributed_bench",
+              "preemption": "preemption_bench", "kv-dtype": "kv_dtype_bench",
+              "structured": "structured_bench", "weights": "weights_bench"}
 CHECKS = {"outputs_equal": "outputs differ between mmkv and its peer",  # a benchmark failing one exits 1
           "outputs_near_greedy": "outputs differ between mmkv and its peer",
           "all_outputs_valid": "an output breaks its constraint"}
@@ -27,12 +27,13 @@ CHECKS = {"outputs_equal": "outputs differ between mmkv and its peer",  # a benc
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mmkv.bench")
     sub = parser.add_subparsers(dest="name", required=True)
-    for name, module in BENCHMARKS.items():
+    modules = {name: importlib.import_module(f"mmkv.bench.{module}") for name, module in BENCHMARKS.items()}
+    for name, module in modules.items():
         p = sub.add_parser(name, help=module.__doc__.splitlines()[0])
         module.add_arguments(p)
         p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args(argv)
-    result = BENCHMARKS[args.name].run(args)
+    result = modules[args.name].run(args)
     if args.json:
         print(json.dumps(result))
     else:

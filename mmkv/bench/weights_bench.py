@@ -267,6 +267,16 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def process_contexts() -> dict:
+    """How each kind of variant's process starts: mmkv's forked from a server that has imported
+    torch, transformers and mmkv once (each would otherwise spend seconds importing them), the
+    peer's spawned fresh, so none of those libraries counts in llama.cpp's memory."""
+    server = multiprocessing.get_context("forkserver")
+    server.set_forkserver_preload(["torch", "transformers", "mmkv.engine", "mmkv.models",
+                                   "mmkv.bench.weights_bench"])
+    return {"mmkv": server, "llama.cpp": multiprocessing.get_context("spawn")}
+
+
 def in_process(context, target, *args):
     """``target(connection, *args)``'s one message, from a process of its own."""
     mine, theirs = context.Pipe()
@@ -280,12 +290,13 @@ def in_process(context, target, *args):
 
 def compare(sources: dict[str, tuple], work: dict, repeats: int) -> dict:
     """Every variant in its own process, the workloads run in turns (the module docstring)."""
-    context = multiprocessing.get_context("spawn")
+    contexts = process_contexts()
     names = list(sources)
     links, seconds, outputs, out = {}, {}, {}, {}
     try:
         for name in names:  # loaded one at a time, so a load's peak is its own
             kind, source, quantization = sources[name]
+            context = contexts[kind]
             if kind == "mmkv":
                 out[f"load_rss_{name}"] = in_process(context, measure_load, source, quantization)
             mine, theirs = context.Pipe()
