@@ -51,9 +51,6 @@ class Int8Weight:
         """Output channels ``[start, end)`` (views of this weight's tensors)."""
         return Int8Weight(self.codes[start:end], self.scale[start:end])
 
-    def to(self, device: torch.device) -> Int8Weight:
-        return Int8Weight(self.codes.to(device), self.scale.to(device))
-
 
 @dataclass(slots=True)
 class Int4Weight:
@@ -87,10 +84,6 @@ class Int4Weight:
     def rows(self, start: int, end: int) -> Int4Weight:
         """Output channels ``[start, end)`` (views of this weight's tensors)."""
         return Int4Weight(self.codes[start:end], self.scale[start:end], self.offset[start:end],
-                          self.group_size)
-
-    def to(self, device: torch.device) -> Int4Weight:
-        return Int4Weight(self.codes.to(device), self.scale.to(device), self.offset.to(device),
                           self.group_size)
 
 
