@@ -105,15 +105,16 @@ def test_layer_computes_with_the_dequantized_weight(method, rows):
     assert torch.equal(layer.dequantized(), layer.weight.dequantize())
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method, group", [("int8", 32), ("int4", 32), ("int4", 64)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
-def test_bfloat16_rows_meet_the_weight_in_bfloat16(method, rows):
+def test_bfloat16_rows_meet_the_weight_in_bfloat16(method, group, rows):
     """bfloat16 rows go through the dot-product kernel where the CPU has it: int8 codes are exact
     in bfloat16 (the scale multiplies the sum), an int4 weight is its dequantized value rounded to
-    bfloat16, as the bfloat16 model holds it; sums in float32."""
+    bfloat16, as the bfloat16 model holds it; sums in float32. 192 inputs are three of the int4
+    kernel's 64-input steps: at group 32 each step spans two groups, at 64 one."""
     torch.manual_seed(rows)
-    w, bias, x = torch.randn(37, 128), torch.randn(37), torch.randn(rows, 128).bfloat16()
-    layer = QuantizedLinear(quantize(w, Quantization(method)), bias)
+    w, bias, x = torch.randn(37, 192), torch.randn(37), torch.randn(rows, 192).bfloat16()
+    layer = QuantizedLinear(quantize(w, Quantization(method, group)), bias)
     if layer.kernels is None or layer.run_kernel(layer.kernels[1], x) is None:
         pytest.skip("no AVX512-BF16 kernel on this CPU (the float32 kernel runs bfloat16 rows)")
     weight = layer.weight.dequantize()
@@ -123,6 +124,32 @@ def test_bfloat16_rows_meet_the_weight_in_bfloat16(method, rows):
     assert torch.allclose(layer.run_kernel(layer.kernels[1], x).double(), expected, atol=1e-4)
     assert layer(x).dtype == torch.bfloat16
     assert torch.equal(layer.dequantized(torch.bfloat16), layer.weight.dequantize().bfloat16())
+
+
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")],
+                         ids=["avx2", "plain-c"])
+def test_kernels_built_for_cpus_without_avx512_compute_the_same(tmp_path, monkeypatch, flags):
+    """Built for CPUs without AVX-512 (the AVX2 loops) or without AVX2 and F16C too (plain C),
+    the layers still compute with their dequantized weights, float32 rows and bfloat16 rows alike
+    (the bfloat16 kernel declines there and the float32 one runs)."""
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + flags)
+    monkeypatch.setenv("MMKV_NATIVE_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        for method in METHODS:
+            for rows in (1, 5):
+                torch.manual_seed(rows)
+                w, bias, x = torch.randn(37, 192), torch.randn(37), torch.randn(rows, 192)
+                layer = QuantizedLinear(quantize(w, Quantization(method)), bias)
+                assert layer.kernels is not None
+                weight = layer.weight.dequantize().double()
+                expected = F.linear(x.double(), weight, bias.double())
+                assert torch.allclose(layer.native(x).double(), expected, atol=1e-4)
+                expected = F.linear(x.bfloat16().double(), weight, bias.double())  # out in bfloat16
+                assert torch.allclose(layer.native(x.bfloat16()).double(), expected, rtol=2 ** -7, atol=1e-3)
+                assert torch.equal(layer.dequantized(), layer.weight.dequantize())
+    finally:
+        native.library.cache_clear()
 
 
 def test_fused_layers_keep_one_copy_of_the_codes(model_dirs):

@@ -12,7 +12,8 @@ docs/attention-and-kernels.md.
 
 Building. The library is compiled on first use (a CPU engine asks for it when it starts) with the
 machine's C compiler (``-O3 -march=native -fopenmp``, OpenMP being the runtime torch's CPU build
-already loads) into ``~/.cache/mmkv/native`` (or ``$MMKV_NATIVE_CACHE``), under a name that hashes
+already loads; each source in a compiler process of its own, side by side, then linked) into
+``~/.cache/mmkv/native`` (or ``$MMKV_NATIVE_CACHE``), under a name that hashes
 the sources (headers included), the flags and the CPU, and loaded with ``ctypes``. A cache
 directory mmkv creates is mode 0755 whatever the umask. The compiler writes into a fresh private
 (0700) directory inside the cache directory; the result is made mode 0755 (readable and
@@ -216,8 +217,11 @@ def _build(target: Path) -> ctypes.CDLL:
     work = Path(tempfile.mkdtemp(prefix=".mmkv-build-", dir=target.parent))
     try:
         partial = work / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(partial), *map(str, SOURCES), "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
+        objects = [work / f"{source.stem}.o" for source in SOURCES]
+        compile_flags = [flag for flag in FLAGS if flag != "-shared"]
+        _run_side_by_side([[compiler, *compile_flags, "-c", "-o", str(obj), str(source)]
+                           for source, obj in zip(SOURCES, objects)])
+        _run_side_by_side([[compiler, *FLAGS, "-o", str(partial), *map(str, objects), "-lm"]])
         os.chmod(partial, 0o755)
         lib, why = _checked_load(partial)
         if lib is None:
@@ -226,6 +230,23 @@ def _build(target: Path) -> ctypes.CDLL:
         return lib
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_side_by_side(commands: list[list[str]], timeout: float = 120) -> None:
+    """Run the compiler commands at once (a source each, so every core compiles); raises
+    ``CalledProcessError`` (with the compiler's output) for the first that fails."""
+    running = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for command in commands]
+    try:
+        for command, process in zip(commands, running):
+            output, _ = process.communicate(timeout=timeout)
+            if process.returncode:
+                raise subprocess.CalledProcessError(process.returncode, command, output, output)
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def _load_or_build() -> ctypes.CDLL:

@@ -29,6 +29,11 @@
 #define ROW_TILE 4
 #define CHANNEL_BLOCK 4
 
+/* A block's codes are a few short runs (a row per channel), too short for the hardware
+ * prefetcher to learn before each ends: while a block is read, each read asks for the same place
+ * in the next block (``block`` bytes on), so its codes are in cache when its turn comes. */
+#define PREFETCH_NEXT_BLOCK(p, block) __builtin_prefetch((const char *)(p) + (block))
+
 static inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -45,6 +50,16 @@ static inline float half_to_float(uint16_t h) {
     }
     return v.f;
 #endif
+}
+
+/* n float16 values at h as float32 at f. */
+static void halves_to_floats(const uint16_t *restrict h, int64_t n, float *restrict f) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#endif
+    for (; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
 #if defined(__AVX512F__)
@@ -94,7 +109,11 @@ static inline __attribute__((always_inline)) void int8_tile(
         for (int k = 0; k < R; k++) acc[c][k] = vzero();
     for (; i + LANES <= in; i += LANES) {
         vec w[CHANNEL_BLOCK];
-        for (int c = 0; c < C; c++) w[c] = vint8(codes + (o + c) * in + i);
+        for (int c = 0; c < C; c++) {
+            const int8_t *p = codes + (o + c) * in + i;
+            PREFETCH_NEXT_BLOCK(p, C * in);
+            w[c] = vint8(p);
+        }
         for (int k = 0; k < R; k++) {
             const vec xv = vload(x + (r + k) * in + i);
             for (int c = 0; c < C; c++) acc[c][k] = vfma(xv, w[c], acc[c][k]);
@@ -178,7 +197,7 @@ static inline __attribute__((always_inline)) void int4_tile(
             vec lo[CHANNEL_BLOCK], hi[CHANNEL_BLOCK];
             for (int c = 0; c < C; c++) {
                 const uint8_t *p = codes + (o + c) * half + j;
-                _mm_prefetch((const char *)(p + 8 * bytes), _MM_HINT_T0);
+                PREFETCH_NEXT_BLOCK(p, C * half);
 #if defined(__AVX512F__)
                 const __m512i b = vbytes(p);
                 lo[c] = _mm512_permutexvar_ps(b, table[c]);
@@ -221,10 +240,8 @@ static void int4_channels(const float *xs, int64_t rows, int64_t in, const uint8
                           const float *bias, float *y, int64_t out, int64_t o, const int C) {
     const int64_t groups = in / group;
     float sc[CHANNEL_BLOCK * groups], mn[CHANNEL_BLOCK * groups];  /* the block's, widened once */
-    for (int64_t i = 0; i < C * groups; i++) {
-        sc[i] = half_to_float(scale[o * groups + i]);
-        mn[i] = half_to_float(offset[o * groups + i]);
-    }
+    halves_to_floats(scale + o * groups, C * groups, sc);
+    halves_to_floats(offset + o * groups, C * groups, mn);
     int64_t r = 0;
     for (; r + ROW_TILE <= rows; r += ROW_TILE)
         int4_tile(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 4);
@@ -272,8 +289,8 @@ int mmkv_int4_linear(const float *x, int64_t rows, int64_t in, const uint8_t *co
  * (two products a lane, summed in float32), as the bfloat16 GEMM does: int8 codes are exact in
  * bfloat16 (the scale multiplies the finished sum); an int4 group's sixteen weights are rounded
  * to bfloat16 once, the weight the model's dtype holds. Inputs must come in whole runs of 32
- * (int4: groups a multiple of 32); otherwise, or without AVX512-BF16, these return -1 and the
- * caller runs the float32 kernels. */
+ * (int4: of 64, and groups a multiple of 32); otherwise, or without AVX512-BF16, these return -1
+ * and the caller runs the float32 kernels. */
 
 #if defined(__AVX512BF16__)
 static inline __attribute__((always_inline)) void int8_tile_bf16(
@@ -287,6 +304,7 @@ static inline __attribute__((always_inline)) void int8_tile_bf16(
         __m512bh w[CHANNEL_BLOCK];
         for (int c = 0; c < C; c++) {
             const int8_t *p = codes + (o + c) * in + i;
+            PREFETCH_NEXT_BLOCK(p, C * in);
             w[c] = _mm512_cvtne2ps_pbh(vint8(p + 16), vint8(p));
         }
         for (int k = 0; k < R; k++) {
@@ -299,35 +317,45 @@ static inline __attribute__((always_inline)) void int8_tile_bf16(
             y[(r + k) * out + o + c] = _mm512_reduce_add_ps(acc[c][k]) * scale[o + c] + (bias ? bias[o + c] : 0.0f);
 }
 
+/* int4 on bfloat16 rows, 64 inputs (32 bytes of codes, two 32-input halves) a step. The codes'
+ * bytes widen to words; the low nibbles are the step's even inputs and the high nibbles its odd
+ * ones, so x comes split the same way (xs: each row's even inputs, then its odd ones). The
+ * table holds both halves' sixteen weights, rounded to bfloat16: words 0-15 the first half's
+ * group, words 16-31 the second's, and bit 4 of each index picks the half (vpermw reads five
+ * bits). sc and mn are the block's scales and offsets as float32, [C][groups]. */
 static inline __attribute__((always_inline)) void int4_tile_bf16(
-    const uint16_t *restrict x, int64_t in, const uint8_t *restrict codes, const float *restrict sc,
+    const uint16_t *restrict xs, int64_t in, const uint8_t *restrict codes, const float *restrict sc,
     const float *restrict mn, int64_t group, const float *restrict bias, float *restrict y,
     int64_t out, int64_t o, int64_t r, const int C, const int R) {
-    const int64_t half = in / 2, groups = in / group, bytes = group / 2;
+    const int64_t half = in / 2, groups = in / group;
     const __m512 codes16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i nibble = _mm512_set1_epi16(15);
+    const __m512i upper = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
     __m512 acc[CHANNEL_BLOCK][ROW_TILE];
     for (int c = 0; c < C; c++)
         for (int k = 0; k < R; k++) acc[c][k] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m512i table[CHANNEL_BLOCK];  /* the group's 16 weights as bfloat16, twice over */
+    for (int64_t j = 0; j < half; j += 32) {  /* inputs [2j, 2j + 64) */
+        const int64_t first = 2 * j / group, second = (2 * j + 32) / group;
+        __m512bh lo[CHANNEL_BLOCK], hi[CHANNEL_BLOCK];
         for (int c = 0; c < C; c++) {
-            const __m512 t = _mm512_fmadd_ps(codes16, _mm512_set1_ps(sc[c * groups + g]),
-                                             _mm512_set1_ps(mn[c * groups + g]));
-            table[c] = (__m512i)_mm512_cvtne2ps_pbh(t, t);
+            const uint8_t *p = codes + (o + c) * half + j;
+            PREFETCH_NEXT_BLOCK(p, C * half);
+            const __m512 a = _mm512_fmadd_ps(codes16, _mm512_set1_ps(sc[c * groups + first]),
+                                             _mm512_set1_ps(mn[c * groups + first]));
+            const __m512 b = _mm512_fmadd_ps(codes16, _mm512_set1_ps(sc[c * groups + second]),
+                                             _mm512_set1_ps(mn[c * groups + second]));
+            const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+            const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+            lo[c] = (__m512bh)_mm512_permutexvar_epi16(
+                _mm512_or_si512(_mm512_and_si512(words, nibble), upper), table);
+            hi[c] = (__m512bh)_mm512_permutexvar_epi16(
+                _mm512_or_si512(_mm512_srli_epi16(words, 4), upper), table);
         }
-        for (int64_t j = g * bytes; j < (g + 1) * bytes; j += 16) {
-            __m512bh w[CHANNEL_BLOCK];
-            for (int c = 0; c < C; c++) {
-                const uint8_t *p = codes + (o + c) * half + j;
-                _mm_prefetch((const char *)(p + 8 * bytes), _MM_HINT_T0);
-                const __m512i b = vbytes(p);  /* byte j in lane j: word indices low, high nibble */
-                const __m512i index = _mm512_or_si512(b, _mm512_slli_epi32(b, 12));
-                w[c] = (__m512bh)_mm512_permutexvar_epi16(index, table[c]);
-            }
-            for (int k = 0; k < R; k++) {
-                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r + k) * in + 2 * j);
-                for (int c = 0; c < C; c++) acc[c][k] = _mm512_dpbf16_ps(acc[c][k], xv, w[c]);
-            }
+        for (int k = 0; k < R; k++) {
+            const __m512bh even = (__m512bh)_mm512_loadu_si512(xs + (r + k) * in + j);
+            const __m512bh odd = (__m512bh)_mm512_loadu_si512(xs + (r + k) * in + half + j);
+            for (int c = 0; c < C; c++)
+                acc[c][k] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[c][k], even, lo[c]), odd, hi[c]);
         }
     }
     for (int c = 0; c < C; c++)
@@ -347,22 +375,20 @@ static void int8_channels_bf16(const uint16_t *x, int64_t rows, int64_t in, cons
     }
 }
 
-static void int4_channels_bf16(const uint16_t *x, int64_t rows, int64_t in, const uint8_t *codes,
+static void int4_channels_bf16(const uint16_t *xs, int64_t rows, int64_t in, const uint8_t *codes,
                                const uint16_t *scale, const uint16_t *offset, int64_t group,
                                const float *bias, float *y, int64_t out, int64_t o, const int C) {
     const int64_t groups = in / group;
-    float sc[CHANNEL_BLOCK * groups], mn[CHANNEL_BLOCK * groups];
-    for (int64_t i = 0; i < C * groups; i++) {
-        sc[i] = half_to_float(scale[o * groups + i]);
-        mn[i] = half_to_float(offset[o * groups + i]);
-    }
+    float sc[CHANNEL_BLOCK * groups], mn[CHANNEL_BLOCK * groups];  /* the block's, widened once */
+    halves_to_floats(scale + o * groups, C * groups, sc);
+    halves_to_floats(offset + o * groups, C * groups, mn);
     int64_t r = 0;
     for (; r + ROW_TILE <= rows; r += ROW_TILE)
-        int4_tile_bf16(x, in, codes, sc, mn, group, bias, y, out, o, r, C, 4);
+        int4_tile_bf16(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 4);
     switch (rows - r) {
-    case 3: int4_tile_bf16(x, in, codes, sc, mn, group, bias, y, out, o, r, C, 3); break;
-    case 2: int4_tile_bf16(x, in, codes, sc, mn, group, bias, y, out, o, r, C, 2); break;
-    case 1: int4_tile_bf16(x, in, codes, sc, mn, group, bias, y, out, o, r, C, 1); break;
+    case 3: int4_tile_bf16(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 3); break;
+    case 2: int4_tile_bf16(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 2); break;
+    case 1: int4_tile_bf16(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 1); break;
     }
 }
 #endif
@@ -392,18 +418,27 @@ int mmkv_int4_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const uin
                           const uint16_t *scale, const uint16_t *offset, int64_t group,
                           const float *bias, float *y, int64_t out) {
 #if defined(__AVX512BF16__)
-    if (group % 32 || in % group) return -1;
+    if (group % 32 || in % group || in % 64) return -1;
+    const int64_t half = in / 2;
+    uint16_t *xs = malloc(sizeof(uint16_t) * rows * in);
+    if (!xs) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < half; j++) {
+            xs[r * in + j] = x[r * in + 2 * j];
+            xs[r * in + half + j] = x[r * in + 2 * j + 1];
+        }
     const int64_t blocks = (out + CHANNEL_BLOCK - 1) / CHANNEL_BLOCK;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t o = b * CHANNEL_BLOCK;
         if (o + CHANNEL_BLOCK <= out) {
-            int4_channels_bf16(x, rows, in, codes, scale, offset, group, bias, y, out, o, CHANNEL_BLOCK);
+            int4_channels_bf16(xs, rows, in, codes, scale, offset, group, bias, y, out, o, CHANNEL_BLOCK);
         } else {
             for (int64_t c = o; c < out; c++)
-                int4_channels_bf16(x, rows, in, codes, scale, offset, group, bias, y, out, c, 1);
+                int4_channels_bf16(xs, rows, in, codes, scale, offset, group, bias, y, out, c, 1);
         }
     }
+    free(xs);
     return 0;
 #else
     (void)x, (void)rows, (void)in, (void)codes, (void)scale, (void)offset, (void)group, (void)bias;
