@@ -34,6 +34,61 @@
  * in the next block (``block`` bytes on), so its codes are in cache when its turn comes. */
 #define PREFETCH_NEXT_BLOCK(p, block) __builtin_prefetch((const char *)(p) + (block))
 
+/* TILE (a tile call naming r and R) over the rows in tiles of ROW_TILE and the rest in one tile
+ * of 1-3; R is a constant in each, so the always-inline tiles unroll. */
+#define OVER_ROW_TILES(rows, TILE)                                                               \
+    do {                                                                                         \
+        int64_t r = 0;                                                                           \
+        for (; r + ROW_TILE <= (rows); r += ROW_TILE) { const int R = ROW_TILE; TILE; }          \
+        switch ((rows) - r) {                                                                    \
+        case 3: { const int R = 3; TILE; } break;                                                \
+        case 2: { const int R = 2; TILE; } break;                                                \
+        case 1: { const int R = 1; TILE; } break;                                                \
+        }                                                                                        \
+    } while (0)
+
+/* The body of an int4 kernel's channels [o, o + C): the block's scales and offsets widened to
+ * float32 once (sc, mn: [C][groups]), then TILE (naming sc, mn, r and R) over the rows. */
+#define INT4_CHANNELS(TILE)                                                                      \
+    const int64_t groups = in / group;                                                           \
+    float sc[CHANNEL_BLOCK * groups], mn[CHANNEL_BLOCK * groups];                                \
+    halves_to_floats(scale + o * groups, C * groups, sc);                                        \
+    halves_to_floats(offset + o * groups, C * groups, mn);                                       \
+    OVER_ROW_TILES(rows, TILE)
+
+/* CHANNELS (a call naming o and C) over out's channels, blocks in parallel: whole blocks of
+ * CHANNEL_BLOCK, and a last partial block a channel at a time. */
+#define OVER_CHANNEL_BLOCKS(out, CHANNELS)                                                       \
+    do {                                                                                         \
+        const int64_t blocks = ((out) + CHANNEL_BLOCK - 1) / CHANNEL_BLOCK;                      \
+        _Pragma("omp parallel for schedule(static)")                                             \
+        for (int64_t b = 0; b < blocks; b++) {                                                   \
+            if ((b + 1) * CHANNEL_BLOCK <= (out)) {                                              \
+                const int64_t o = b * CHANNEL_BLOCK;                                             \
+                const int C = CHANNEL_BLOCK;                                                     \
+                CHANNELS;                                                                        \
+            } else {                                                                             \
+                for (int64_t o = b * CHANNEL_BLOCK; o < (out); o++) { const int C = 1; CHANNELS; } \
+            }                                                                                    \
+        }                                                                                        \
+    } while (0)
+
+/* name(x, rows, in): a new array of each row's even inputs, then its odd ones (NULL when out of
+ * memory), so an int4 kernel's low and high nibbles meet their inputs in lane order. */
+#define DEFINE_EVEN_ODD_SPLIT(name, type)                                                        \
+    static __attribute__((unused)) type *name(const type *x, int64_t rows, int64_t in) {        \
+        type *xs = malloc(sizeof(type) * rows * in);                                             \
+        if (xs)                                                                                  \
+            for (int64_t r = 0; r < rows; r++)                                                   \
+                for (int64_t j = 0; j < in / 2; j++) {                                           \
+                    xs[r * in + j] = x[r * in + 2 * j];                                          \
+                    xs[r * in + in / 2 + j] = x[r * in + 2 * j + 1];                             \
+                }                                                                                \
+        return xs;                                                                               \
+    }
+DEFINE_EVEN_ODD_SPLIT(split_floats, float)
+DEFINE_EVEN_ODD_SPLIT(split_bfloat16, uint16_t)
+
 static inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -140,27 +195,12 @@ static inline __attribute__((always_inline)) void int8_tile(
 static void int8_channels(const float *x, int64_t rows, int64_t in, const int8_t *codes,
                           const float *scale, const float *bias, float *y, int64_t out, int64_t o,
                           const int C) {
-    int64_t r = 0;
-    for (; r + ROW_TILE <= rows; r += ROW_TILE) int8_tile(x, in, codes, scale, bias, y, out, o, r, C, 4);
-    switch (rows - r) {
-    case 3: int8_tile(x, in, codes, scale, bias, y, out, o, r, C, 3); break;
-    case 2: int8_tile(x, in, codes, scale, bias, y, out, o, r, C, 2); break;
-    case 1: int8_tile(x, in, codes, scale, bias, y, out, o, r, C, 1); break;
-    }
+    OVER_ROW_TILES(rows, int8_tile(x, in, codes, scale, bias, y, out, o, r, C, R));
 }
 
 int mmkv_int8_linear(const float *x, int64_t rows, int64_t in, const int8_t *codes, const float *scale,
                      const float *bias, float *y, int64_t out) {
-    const int64_t blocks = (out + CHANNEL_BLOCK - 1) / CHANNEL_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t o = b * CHANNEL_BLOCK;
-        if (o + CHANNEL_BLOCK <= out) {
-            int8_channels(x, rows, in, codes, scale, bias, y, out, o, CHANNEL_BLOCK);
-        } else {
-            for (int64_t c = o; c < out; c++) int8_channels(x, rows, in, codes, scale, bias, y, out, c, 1);
-        }
-    }
+    OVER_CHANNEL_BLOCKS(out, int8_channels(x, rows, in, codes, scale, bias, y, out, o, C));
     return 0;
 }
 
@@ -238,18 +278,7 @@ static inline __attribute__((always_inline)) void int4_tile(
 static void int4_channels(const float *xs, int64_t rows, int64_t in, const uint8_t *codes,
                           const uint16_t *scale, const uint16_t *offset, int64_t group,
                           const float *bias, float *y, int64_t out, int64_t o, const int C) {
-    const int64_t groups = in / group;
-    float sc[CHANNEL_BLOCK * groups], mn[CHANNEL_BLOCK * groups];  /* the block's, widened once */
-    halves_to_floats(scale + o * groups, C * groups, sc);
-    halves_to_floats(offset + o * groups, C * groups, mn);
-    int64_t r = 0;
-    for (; r + ROW_TILE <= rows; r += ROW_TILE)
-        int4_tile(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 4);
-    switch (rows - r) {
-    case 3: int4_tile(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 3); break;
-    case 2: int4_tile(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 2); break;
-    case 1: int4_tile(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 1); break;
-    }
+    INT4_CHANNELS(int4_tile(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, R));
 }
 
 /* Returns 0, or -1 (nothing computed) when a group is not a whole number of vector loads of
@@ -261,25 +290,9 @@ int mmkv_int4_linear(const float *x, int64_t rows, int64_t in, const uint8_t *co
     if (group % (2 * LANES)) return -1;
 #endif
     if (group < 2 || group % 2 || in % group) return -1;
-    const int64_t half = in / 2;
-    float *xs = malloc(sizeof(float) * rows * in);
+    float *xs = split_floats(x, rows, in);
     if (!xs) return -1;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < half; j++) {
-            xs[r * in + j] = x[r * in + 2 * j];
-            xs[r * in + half + j] = x[r * in + 2 * j + 1];
-        }
-    const int64_t blocks = (out + CHANNEL_BLOCK - 1) / CHANNEL_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t o = b * CHANNEL_BLOCK;
-        if (o + CHANNEL_BLOCK <= out) {
-            int4_channels(xs, rows, in, codes, scale, offset, group, bias, y, out, o, CHANNEL_BLOCK);
-        } else {
-            for (int64_t c = o; c < out; c++)
-                int4_channels(xs, rows, in, codes, scale, offset, group, bias, y, out, c, 1);
-        }
-    }
+    OVER_CHANNEL_BLOCKS(out, int4_channels(xs, rows, in, codes, scale, offset, group, bias, y, out, o, C));
     free(xs);
     return 0;
 }
@@ -366,30 +379,13 @@ static inline __attribute__((always_inline)) void int4_tile_bf16(
 static void int8_channels_bf16(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,
                                const float *scale, const float *bias, float *y, int64_t out,
                                int64_t o, const int C) {
-    int64_t r = 0;
-    for (; r + ROW_TILE <= rows; r += ROW_TILE) int8_tile_bf16(x, in, codes, scale, bias, y, out, o, r, C, 4);
-    switch (rows - r) {
-    case 3: int8_tile_bf16(x, in, codes, scale, bias, y, out, o, r, C, 3); break;
-    case 2: int8_tile_bf16(x, in, codes, scale, bias, y, out, o, r, C, 2); break;
-    case 1: int8_tile_bf16(x, in, codes, scale, bias, y, out, o, r, C, 1); break;
-    }
+    OVER_ROW_TILES(rows, int8_tile_bf16(x, in, codes, scale, bias, y, out, o, r, C, R));
 }
 
 static void int4_channels_bf16(const uint16_t *xs, int64_t rows, int64_t in, const uint8_t *codes,
                                const uint16_t *scale, const uint16_t *offset, int64_t group,
                                const float *bias, float *y, int64_t out, int64_t o, const int C) {
-    const int64_t groups = in / group;
-    float sc[CHANNEL_BLOCK * groups], mn[CHANNEL_BLOCK * groups];  /* the block's, widened once */
-    halves_to_floats(scale + o * groups, C * groups, sc);
-    halves_to_floats(offset + o * groups, C * groups, mn);
-    int64_t r = 0;
-    for (; r + ROW_TILE <= rows; r += ROW_TILE)
-        int4_tile_bf16(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 4);
-    switch (rows - r) {
-    case 3: int4_tile_bf16(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 3); break;
-    case 2: int4_tile_bf16(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 2); break;
-    case 1: int4_tile_bf16(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, 1); break;
-    }
+    INT4_CHANNELS(int4_tile_bf16(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, R));
 }
 #endif
 
@@ -397,16 +393,7 @@ int mmkv_int8_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const int
                           const float *scale, const float *bias, float *y, int64_t out) {
 #if defined(__AVX512BF16__)
     if (in % 32) return -1;
-    const int64_t blocks = (out + CHANNEL_BLOCK - 1) / CHANNEL_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t o = b * CHANNEL_BLOCK;
-        if (o + CHANNEL_BLOCK <= out) {
-            int8_channels_bf16(x, rows, in, codes, scale, bias, y, out, o, CHANNEL_BLOCK);
-        } else {
-            for (int64_t c = o; c < out; c++) int8_channels_bf16(x, rows, in, codes, scale, bias, y, out, c, 1);
-        }
-    }
+    OVER_CHANNEL_BLOCKS(out, int8_channels_bf16(x, rows, in, codes, scale, bias, y, out, o, C));
     return 0;
 #else
     (void)x, (void)rows, (void)in, (void)codes, (void)scale, (void)bias, (void)y, (void)out;
@@ -419,25 +406,9 @@ int mmkv_int4_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const uin
                           const float *bias, float *y, int64_t out) {
 #if defined(__AVX512BF16__)
     if (group % 32 || in % group || in % 64) return -1;
-    const int64_t half = in / 2;
-    uint16_t *xs = malloc(sizeof(uint16_t) * rows * in);
+    uint16_t *xs = split_bfloat16(x, rows, in);
     if (!xs) return -1;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < half; j++) {
-            xs[r * in + j] = x[r * in + 2 * j];
-            xs[r * in + half + j] = x[r * in + 2 * j + 1];
-        }
-    const int64_t blocks = (out + CHANNEL_BLOCK - 1) / CHANNEL_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t o = b * CHANNEL_BLOCK;
-        if (o + CHANNEL_BLOCK <= out) {
-            int4_channels_bf16(xs, rows, in, codes, scale, offset, group, bias, y, out, o, CHANNEL_BLOCK);
-        } else {
-            for (int64_t c = o; c < out; c++)
-                int4_channels_bf16(xs, rows, in, codes, scale, offset, group, bias, y, out, c, 1);
-        }
-    }
+    OVER_CHANNEL_BLOCKS(out, int4_channels_bf16(xs, rows, in, codes, scale, offset, group, bias, y, out, o, C));
     free(xs);
     return 0;
 #else
@@ -460,23 +431,37 @@ int mmkv_int8_dequantize(const int8_t *codes, const float *scale, int64_t out, i
     return 0;
 }
 
+/* Runs GROUP (a call naming q, bytes, s, m and row) over every group of an int4 weight, channels
+ * in parallel: q the group's codes (bytes of them), s and m its scale and offset as float32, row
+ * where its weights go in w. Returns -1 from the caller when group does not divide in. */
+#define OVER_INT4_GROUPS(codes, scale, offset, group, out, in, w, GROUP)                        \
+    do {                                                                                         \
+        if ((group) < 2 || (group) % 2 || (in) % (group)) return -1;                             \
+        const int64_t groups = (in) / (group), bytes = (group) / 2;                              \
+        _Pragma("omp parallel for schedule(static)")                                             \
+        for (int64_t o = 0; o < (out); o++)                                                      \
+            for (int64_t g = 0; g < groups; g++) {                                               \
+                const float s = half_to_float((scale)[o * groups + g]);                          \
+                const float m = half_to_float((offset)[o * groups + g]);                         \
+                const uint8_t *q = (codes) + o * ((in) / 2) + g * bytes;                         \
+                __typeof__(w) row = (w) + o * (in) + g * (group);                                \
+                GROUP;                                                                           \
+            }                                                                                    \
+    } while (0)
+
+static inline void int4_group(const uint8_t *restrict q, int64_t bytes, float s, float m,
+                              float *restrict row) {
+#pragma omp simd
+    for (int64_t j = 0; j < bytes; j++) {
+        row[2 * j] = (float)(q[j] & 15) * s + m;
+        row[2 * j + 1] = (float)(q[j] >> 4) * s + m;
+    }
+}
+
 /* w[o][i] = q * scale[o][g] + offset[o][g], float32 [out][in]; -1 when group does not divide in. */
 int mmkv_int4_dequantize(const uint8_t *codes, const uint16_t *scale, const uint16_t *offset,
                          int64_t group, int64_t out, int64_t in, float *w) {
-    if (group < 2 || group % 2 || in % group) return -1;
-    const int64_t groups = in / group, bytes = group / 2;
-#pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < out; o++)
-        for (int64_t g = 0; g < groups; g++) {
-            const float s = half_to_float(scale[o * groups + g]), m = half_to_float(offset[o * groups + g]);
-            const uint8_t *q = codes + o * (in / 2) + g * bytes;
-            float *row = w + o * in + g * group;
-#pragma omp simd
-            for (int64_t j = 0; j < bytes; j++) {
-                row[2 * j] = (float)(q[j] & 15) * s + m;
-                row[2 * j + 1] = (float)(q[j] >> 4) * s + m;
-            }
-        }
+    OVER_INT4_GROUPS(codes, scale, offset, group, out, in, w, int4_group(q, bytes, s, m, row));
     return 0;
 }
 
@@ -508,32 +493,26 @@ int mmkv_int8_dequantize_bf16(const int8_t *codes, const float *scale, int64_t o
     return 0;
 }
 
+static inline void int4_group_bf16(const uint8_t *restrict q, int64_t bytes, float s, float m,
+                                   uint16_t *restrict row) {
+    int64_t j = 0;
+#if defined(__AVX512BF16__)
+    const __m512 t = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     _mm512_set1_ps(s), _mm512_set1_ps(m));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t, t);
+    for (; j + 16 <= bytes; j += 16) {
+        const __m512i b = vbytes(q + j);
+        _mm512_storeu_si512(row + 2 * j, _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table));
+    }
+#endif
+    for (; j < bytes; j++) {
+        row[2 * j] = float_to_bfloat16((float)(q[j] & 15) * s + m);
+        row[2 * j + 1] = float_to_bfloat16((float)(q[j] >> 4) * s + m);
+    }
+}
+
 int mmkv_int4_dequantize_bf16(const uint8_t *codes, const uint16_t *scale, const uint16_t *offset,
                               int64_t group, int64_t out, int64_t in, uint16_t *w) {
-    if (group < 2 || group % 2 || in % group) return -1;
-    const int64_t groups = in / group, bytes = group / 2;
-#pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < out; o++)
-        for (int64_t g = 0; g < groups; g++) {
-            const float s = half_to_float(scale[o * groups + g]), m = half_to_float(offset[o * groups + g]);
-            const uint8_t *q = codes + o * (in / 2) + g * bytes;
-            uint16_t *row = w + o * in + g * group;
-            int64_t j = 0;
-#if defined(__AVX512BF16__)
-            const __m512 t = _mm512_fmadd_ps(
-                _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(s),
-                _mm512_set1_ps(m));
-            const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t, t);
-            for (; j + 16 <= bytes; j += 16) {
-                const __m512i b = vbytes(q + j);
-                _mm512_storeu_si512(row + 2 * j, _mm512_permutexvar_epi16(
-                    _mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table));
-            }
-#endif
-            for (; j < bytes; j++) {
-                row[2 * j] = float_to_bfloat16((float)(q[j] & 15) * s + m);
-                row[2 * j + 1] = float_to_bfloat16((float)(q[j] >> 4) * s + m);
-            }
-        }
+    OVER_INT4_GROUPS(codes, scale, offset, group, out, in, w, int4_group_bf16(q, bytes, s, m, row));
     return 0;
 }
