@@ -214,3 +214,22 @@ def test_bfloat16_logits_stay_within_its_precision_of_float32(model_dirs, family
     assert eng.model.dtype == torch.bfloat16 and fast.shape == exact.shape == (4, 256)
     assert (fast - exact).abs().max() <= 0.15 * exact.std()
     assert torch.equal(fast.argmax(-1), exact.argmax(-1))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_weights_decode_as_the_dequantized_model(model_dirs, method):
+    """A quantized engine (on the CPU the native kernels and, for the prompt, the dequantized
+    weight; on CUDA the dequantized weight each call) continues greedily as transformers does on
+    the same model with its linear weights replaced by their dequantized values: token for token
+    in float32 on the CPU, up to near-ties in bfloat16 on CUDA."""
+    from test_quantization import dequantized
+    from tiny_models import hf_greedy
+
+    eng = engine(model_dirs, quantization=method)
+    oracle = dequantized(load_hf(model_dirs["llama"]), method)
+    batch = prompts(11, [4, 21, 37])
+    for prompt, out in zip(batch, eng.generate(batch, GREEDY)):
+        if DEVICE == "cpu":
+            assert out.token_ids == hf_greedy(oracle, prompt, GREEDY.max_tokens)
+        else:
+            assert_near_greedy(oracle.to(DEVICE), prompt, out.token_ids)
