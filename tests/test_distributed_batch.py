@@ -21,6 +21,9 @@ from mmkv.bench.distributed_bench import ENGINE_OPTIONS, local_prompts, qa_rows
 from mmkv.bundled import BUNDLED_MODEL
 from mmkv.distributed import Replicas, answer
 
+# One local Ray cluster at a time: the suite runs these modules in the same worker.
+pytestmark = pytest.mark.xdist_group("ray")
+
 PARAMS = SamplingParams(max_tokens=8)
 
 

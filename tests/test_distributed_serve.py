@@ -23,6 +23,9 @@ from mmkv.synthetic import scene_prompt
 from server_harness import (MODEL_NAME, REPORT_QUESTIONS, bundled_engine, free_socket, report_chat,
                             report_prompt, scene_chat, scenes_and_reports)
 
+# One local Ray cluster at a time: the suite runs these modules in the same worker.
+pytestmark = pytest.mark.xdist_group("ray")
+
 QUESTIONS = ("how many shapes are there?", "describe the scene.", "what is at the centre?",
              "what is at the top left?", "is there a red circle?", "how many circles are there?")
 TOKENS = 8

@@ -248,7 +248,8 @@ def test_the_timeout_covers_file_reads(tmp_path, monkeypatch):
 
     async def timed() -> float:
         start = time.monotonic()
-        with pytest.raises(MediaError, match=r"image URL 'file://.*a\.png' did not load within 0\.3 s"):
+        # a long URL is shortened in the message, so its file name may not show
+        with pytest.raises(MediaError, match=r"image URL 'file://.*' did not load within 0\.3 s"):
             await media.load((tmp_path / "a.png").as_uri())
         elapsed = time.monotonic() - start
         slow.release.set()  # lets the reader's thread end, so asyncio.run need not wait for it
