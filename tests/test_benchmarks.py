@@ -137,13 +137,15 @@ def test_spec_bench_runs_the_bundled_pair_whatever_the_controller_decides(tmp_pa
                         lambda self, kind, rows, context, _, sequences=None:
                         observe(self, kind, rows, context, seconds[kind], sequences))
     result = bench("spec", "--requests", "2", "--batch1-requests", "1", "--batches", "1,2",
-                   "--loads", ",".join(loads), "--chart", str(tmp_path / "speedup.png"),
+                   "--loads", ",".join(loads), "--regimes", "greedy", "--chart", str(tmp_path / "speedup.png"),
                    "--adaptive-threshold", "0.4", "--repeats", "1", "--seconds", "0")
     assert result["outputs_equal"] is True
     cells = [f"{name}_{load}_b{b}" for name in ("early_exit", "draft")
              for load in loads for b in (1, 2)]
     assert not any(f"_{load}_" in key for key in result for load in spec_bench.LOADS if load not in loads)
     assert result["min_speedup"] == min(result[f"speedup_{cell}"] for cell in cells) > 0
+    assert result["held_out_cells"] == sorted(c for c in cells if c.endswith("_b2"))  # batch 2: not tuned
+    assert result["min_speedup_tuned"] == min(result[f"speedup_{c}"] for c in cells if c.endswith("_b1"))
     versus = {cell: round(min(result[f"speedup_{cell}"], result[f"controller_vs_fixed_{cell}"]), 3)
               for cell in cells}
     assert all(result[f"controller_vs_best_fixed_{cell}"] == v for cell, v in versus.items())
@@ -174,6 +176,67 @@ def test_spec_bench_runs_the_bundled_pair_whatever_the_controller_decides(tmp_pa
     assert result["plain_vs_plain_range"] == [min(floor), max(floor)] and min(floor) > 0
     assert all(result[f"decode_speedup_{cell}"] > 0 for cell in cells)
     assert 0 < result["prefill_share_plain_b1"] < 1 and 0 < result["prefill_share_plain_b2"] < 1
+
+
+def test_spec_bench_reports_the_held_out_regimes_apart(tmp_path, monkeypatch):
+    """Sampled requests and requests arriving into a running batch are cells of their own, held
+    out from the tuned ones: sampled outputs are compared by their token distribution, greedy
+    arrivals by token against plain decoding's."""
+    seconds = SCRIPTED_PASS_SECONDS["speculate"]
+    observe = DraftLengthController.observe_pass
+    monkeypatch.setattr(DraftLengthController, "observe_pass",
+                        lambda self, kind, rows, context, _, sequences=None:
+                        observe(self, kind, rows, context, seconds[kind], sequences))
+    result = bench("spec", "--requests", "3", "--batches", "2", "--loads", "summaries",
+                   "--regimes", "t0.7,arrivals", "--chart", str(tmp_path / "speedup.png"),
+                   "--repeats", "1", "--seconds", "0")
+    assert result["outputs_equal"] is True and result["regimes"] == ["t0.7", "arrivals"]
+    cells = [f"{name}_summaries_{regime}_b2" for name in ("early_exit", "draft") for regime in ("t0.7", "arrivals")]
+    assert sorted(result["held_out_cells"]) == sorted(cells)
+    assert result["min_speedup_held_out"] == result["min_speedup"] == min(result[f"speedup_{c}"] for c in cells)
+    assert "min_speedup_tuned" not in result
+    assert result["controller_vs_best_fixed_min_held_out"] == result["controller_vs_best_fixed_min"]
+    for name in ("early_exit", "draft", "plain_again"):
+        assert 0 <= result[f"token_tv_{name}_summaries_t0.7_b2"] <= 1
+    assert not any(key.startswith("token_tv_") and "arrivals" in key for key in result)
+    assert not (tmp_path / "speedup.png").exists()  # the chart draws greedy workloads only
+
+
+def test_requests_arrive_three_every_two_steps_into_the_running_batch():
+    """``in_turns`` with arrivals: each engine queues three prompts before its first step and
+    three more before every second step after, until the stream is queued; without, a batch at
+    once. A sampled regime seeds each request by its place."""
+    class Recording:
+        def __init__(self):
+            self.queued, self.steps, self.running = [], 0, []
+
+        def stats(self):
+            return {"step_seconds_prefill": 0.0, "step_seconds_decode": 0.0}
+
+        def add_request(self, prompt, params):
+            self.queued.append((self.steps, prompt, params))
+            self.running.append(types.SimpleNamespace(request_id=prompt, token_ids=[prompt], finished=True))
+
+        def has_unfinished(self):
+            return bool(self.running)
+
+        def step(self):
+            self.steps += 1
+            done, self.running = self.running[:1], self.running[1:]  # one finishes a step
+            return done
+
+    params, arrivals = spec_bench.served("arrivals")
+    engines = {"a": Recording(), "b": Recording()}
+    runs = spec_bench.in_turns(engines, list(range(8)), 4, params=params, arrivals=arrivals)
+    for engine in engines.values():
+        assert [(step, prompt) for step, prompt, _ in engine.queued] == [
+            (0, 0), (0, 1), (0, 2), (2, 3), (2, 4), (2, 5), (4, 6), (4, 7)]
+    assert runs["a"][0] == [[i] for i in range(8)]
+    at_once = {"c": Recording()}
+    spec_bench.in_turns(at_once, list(range(8)), 4)
+    assert [step for step, _, _ in at_once["c"].queued] == [0] * 4 + [4] * 4
+    sampled, none = spec_bench.served("t0.7")
+    assert none is None and (sampled(5).temperature, sampled(5).seed) == (0.7, 5)
 
 
 def test_spec_bench_refuses_an_unknown_workload():

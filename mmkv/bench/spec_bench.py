@@ -1,6 +1,17 @@
 """Speculative decoding on the bundled model: plain decoding against early exit and the bundled
-draft model, each with the draft-length controller on, at batch sizes 1, 8 and 32, with
+draft model, each with the draft-length controller on, at batch sizes 1, 4, 8, 16 and 32, with
 transformers' assisted generation on the same weights as the peer.
+
+Regimes (``--regimes``): ``greedy``, a batch's requests all at once, is what the controller's
+rules were tuned on (at batch sizes 1, 8 and 32); ``t0.7`` and ``t1.0`` sample at that
+temperature (each request seeded by its place; outputs compared by distribution:
+``token_tv_<config>_<cell>``, the total variation distance between the token frequencies of a
+config's runs and its partner's, ``plain_again`` the noise floor); ``arrivals`` serves the
+workload greedily as one stream, three requests joining the running batch every two steps (not
+at batch 1). A cell of a regime other than greedy is named ``<method>_<workload>_<regime>_b<N>``.
+Cells of another regime or batch size are held out (``held_out_cells``): ``min_speedup`` and
+``controller_vs_best_fixed_min`` are over every cell, and each also comes ``_tuned`` and
+``_held_out``, so a reader sees whether a rule generalises.
 
 Workloads: scene descriptions (``describe the scene.``, ~46 answer tokens), report summaries
 (``summarise the report.``, ~25 tokens), ``short``: short questions about scenes and reports
@@ -57,6 +68,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,6 +85,12 @@ from speculative.proposers import SpeculationStats
 
 PARAMS = SamplingParams(max_tokens=48)
 LOADS = ("scenes", "summaries", "short", "mixed")  # the workloads (``workloads``)
+TUNED_BATCHES = (1, 8, 32)  # the batch sizes the controller's rules were tuned at
+# How a workload's requests are served: greedy and all at once (what the rules were tuned on),
+# sampled at a temperature (seeded), or greedy arriving ARRIVALS[0] every ARRIVALS[1] steps
+# into the running batch (from the batch's first step on, so later ones join sequences mid-way).
+REGIMES = ("greedy", "t0.7", "t1.0", "arrivals")
+ARRIVALS = (3, 2)
 METHODS = ("early_exit", "draft")  # the speculative configs (plain_again: plain beside plain)
 MAX_ROUNDS = 4  # a workload's counted rounds at a batch size are at most this x --repeats
 ALL_ACCEPTED = "_all_accepted"  # a method's config with the target's own tokens as its drafts
@@ -85,7 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", type=Path, default=BUNDLED_DRAFT_MODEL)
     p.add_argument("--requests", type=int, default=32, help="per workload, served at batch 8 and 32")
     p.add_argument("--batch1-requests", type=int, default=8, help="per workload, served one at a time")
-    p.add_argument("--batches", default="1,8,32", help="batch sizes")
+    p.add_argument("--batches", default="1,4,8,16,32", help="batch sizes")
+    p.add_argument("--regimes", default=",".join(REGIMES),
+                   help="how requests are served, of " + ", ".join(REGIMES) + " (tN: sampled at "
+                        "temperature N; arrivals: greedy, joining a running batch; not at batch 1)")
     p.add_argument("--loads", default=",".join(LOADS),
                    help="workloads, of " + ", ".join(LOADS) + " (transformers runs with summaries at batch 1)")
     p.add_argument("--num-tokens", type=int, default=BUNDLED_SPECULATION["num_tokens"],
@@ -160,13 +181,16 @@ def serve(engine: Engine, prompts: list, batch: int) -> list:
     return [o for i in range(0, len(prompts), batch) for o in engine.generate(prompts[i:i + batch], PARAMS)]
 
 
-def in_turns(engines: dict[str, Engine], prompts: list, batch: int,
-             seed: int = 0) -> dict[str, tuple[list, float, dict]]:
+def in_turns(engines: dict[str, Engine], prompts: list, batch: int, seed: int = 0,
+             params: Callable[[int], SamplingParams] = lambda i: PARAMS,
+             arrivals: tuple[int, int] | None = None) -> dict[str, tuple[list, float, dict]]:
     """Every engine serves ``prompts`` ``batch`` at a time as ``serve`` does, the engines taking
     turns step by step: one step of each in an order drawn afresh every turn from ``seed``, the
     first turn led by engine ``seed`` (modulo their number), and a turn never starting with the
     engine that ended the one before. Each engine queues a batch in its turn, just before its
-    step. For
+    step; prompt ``i`` with ``params(i)``. With ``arrivals`` (``k``, ``n``) the prompts are one
+    stream instead: each engine queues ``k`` more before every ``n``-th of its steps, its
+    scheduler running ``batch`` at a time. For
     each: its outputs' token ids in order, the seconds its own calls took and its stats
     (``run_<phase>_seconds``: this run's step seconds, a warm-up before it left out).
 
@@ -188,10 +212,13 @@ def in_turns(engines: dict[str, Engine], prompts: list, batch: int,
     seconds = dict.fromkeys(names, 0.0)
     outputs: dict[str, dict[int, list[int]]] = {name: {} for name in names}
     clock = time.perf_counter
+    chunk, (arriving, every) = (len(prompts), arrivals) if arrivals else (batch, (batch, 1))
     with gc_paused():
-        for first in range(0, len(prompts), batch):
-            queued = set(names)  # engines not yet given this batch: each queues it in its first turn
-            while live := [name for name in names if name in queued or engines[name].has_unfinished()]:
+        for first in range(0, len(prompts), chunk):
+            given = dict.fromkeys(names, first)  # each engine's next prompt to queue
+            steps = dict.fromkeys(names, 0)  # each engine's steps in this chunk
+            end = min(first + chunk, len(prompts))
+            while live := [name for name in names if given[name] < end or engines[name].has_unfinished()]:
                 turn = order.sample(live, len(live))
                 if last is None:  # the round's first turn: engine ``seed`` leads
                     turn.remove(leader := names[seed % len(names)])
@@ -201,10 +228,12 @@ def in_turns(engines: dict[str, Engine], prompts: list, batch: int,
                 last = turn[-1]
                 for name in turn:
                     start = clock()
-                    if name in queued:
-                        queued.discard(name)
-                        for prompt in prompts[first:first + batch]:
-                            engines[name].add_request(prompt, PARAMS)
+                    if steps[name] % every == 0:
+                        queue = range(given[name], min(given[name] + arriving, end))
+                        for i in queue:
+                            engines[name].add_request(prompts[i], params(i))
+                        given[name] = queue.stop
+                    steps[name] += 1
                     finished = [o for o in engines[name].step() if o.finished]
                     seconds[name] += clock() - start
                     outputs[name].update((o.request_id, o.token_ids) for o in finished)
@@ -226,7 +255,8 @@ def own_outputs(model: Path, warm_up: list, prompts: list, batch: int) -> dict[i
 
 
 def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], batch: int,
-                configs: dict[str, SpeculativeConfig | None], repeats: int, seconds: float = 0.0) -> dict:
+                configs: dict[str, SpeculativeConfig | None], repeats: int, seconds: float = 0.0,
+                regimes: dict[str, str] | None = None) -> dict:
     """At least ``repeats`` rounds for every (config, workload): in each, a fresh engine of the
     config (so its controller learns afresh) and a fresh engine of its partner take turns over
     the workload (``in_turns``; a config named ``<method>_all_accepted`` proposes the target's own
@@ -241,9 +271,15 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
 
     Two engines at a time, each config with its own plain partner: a plain engine beside one other
     runs as fast as alone, while among many engines taking turns plain decoding slows more than
-    speculation does, which would read as a larger speedup."""
-    pairs: dict = {key: [] for key in ((name, load) for name in configs for load in prompts)}
-    own = ({load: own_outputs(model, warm[load], subset, batch) for load, subset in prompts.items()}
+    speculation does, which would read as a larger speedup. ``regimes``: each workload's way of
+    being served (``served``; default greedy, all at once); an all-accepted config runs on greedy
+    workloads only."""
+    regimes = regimes or {}
+    runs_on = {load: [name for name in configs if not name.endswith(ALL_ACCEPTED)
+                      or regimes.get(load, "greedy") == "greedy"] for load in prompts}
+    pairs: dict = {(name, load): [] for load, names in runs_on.items() for name in names}
+    own = ({load: own_outputs(model, warm[load], subset, batch) for load, subset in prompts.items()
+            if regimes.get(load, "greedy") == "greedy"}
            if any(name.endswith(ALL_ACCEPTED) for name in configs) else {})
     counted, spent = dict.fromkeys(prompts, 0), dict.fromkeys(prompts, 0.0)
 
@@ -256,12 +292,13 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
         for load, subset in prompts.items():
             if round_ and not wanted(load):
                 continue
-            for name, config in configs.items():
+            params, arrivals = served(regimes.get(load, "greedy"))
+            for name in runs_on[load]:
                 other = partner(name, configs)
                 engines = {other: fresh_engine(model, warm[load], batch, configs.get(other)),
-                           name: fresh_engine(model, warm[load], batch, config,
+                           name: fresh_engine(model, warm[load], batch, configs[name],
                                               own[load] if name.endswith(ALL_ACCEPTED) else None)}
-                runs = in_turns(engines, subset, batch, seed=round_)
+                runs = in_turns(engines, subset, batch, seed=round_, params=params, arrivals=arrivals)
                 if round_:
                     pairs[name, load].append((runs[name], runs[other]))
                     spent[load] += runs[name][1] + runs[other][1]
@@ -275,6 +312,15 @@ def partner(name: str, configs: dict) -> str:
     controller), every other config plain decoding."""
     method = name[:-len(FIXED)] if name.endswith(FIXED) else None
     return method if method in configs else PLAIN
+
+
+def served(regime: str) -> tuple[Callable[[int], SamplingParams], tuple[int, int] | None]:
+    """A regime's sampling parameters for prompt ``i`` (a sampled one seeded by ``i``) and its
+    arrivals (None: a batch at once)."""
+    if regime.startswith("t"):
+        sampled = dataclasses.replace(PARAMS, temperature=float(regime[1:]))
+        return (lambda i: dataclasses.replace(sampled, seed=i)), None
+    return (lambda i: PARAMS), (ARRIVALS if regime == "arrivals" else None)
 
 
 def variants(speculative: dict[str, SpeculativeConfig], all_accepted: bool
@@ -333,8 +379,17 @@ def run(args: argparse.Namespace) -> dict:
     chosen = args.loads.split(",")
     if unknown := [load for load in chosen if load not in LOADS]:
         raise SystemExit(f"--loads: unknown workload {', '.join(unknown)} (choose from {', '.join(LOADS)})")
-    loads = {load: prompts for load, prompts in workloads(args.requests, args.seed).items() if load in chosen}
-    warm = warm_ups(args.seed)
+    regimes = args.regimes.split(",")
+    if unknown := [regime for regime in regimes if regime not in REGIMES]:
+        raise SystemExit(f"--regimes: unknown regime {', '.join(unknown)} (choose from {', '.join(REGIMES)})")
+    by_load = {load: prompts for load, prompts in workloads(args.requests, args.seed).items() if load in chosen}
+    warm_by_load = warm_ups(args.seed)
+    # a workload served in a regime: its name (the load's alone when greedy) -> (load, regime)
+    keyed = {(load if regime == "greedy" else f"{load}_{regime}"): (load, regime)
+             for regime in regimes for load in by_load}
+    warm = {key: warm_by_load[load] for key, (load, _) in keyed.items()}
+    sampled = {key for key, (_, regime) in keyed.items() if regime.startswith("t")}
+    held_out: set[str] = set()  # cells of a regime or batch size no rule was tuned on
     speculative = {"early_exit": SpeculativeConfig(
         num_tokens=args.num_tokens, early_exit_layer=args.early_exit_layer,
         adaptive_threshold=args.adaptive_threshold or None, draft_length=args.draft_length)}
@@ -347,19 +402,24 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {}
     equal = True
     ours: dict = {}  # batch-1 summaries: what transformers also serves
-    def over_loads(times: dict) -> dict[str, list[float]]:  # each round's seconds, workloads summed
-        return {name: [sum(per_load) for per_load in zip(*(times[name, load] for load in loads))]
-                for name in configs}
-
     for batch in batches:
-        subset = {load: prompts[:args.batch1_requests] if batch == 1 else prompts
-                  for load, prompts in loads.items()}
-        pairs = interleaved(args.model, subset, warm, batch, configs, args.repeats, args.seconds)
+        loads = {key: (by_load[load][:args.batch1_requests] if batch == 1 else by_load[load])
+                 for key, (load, regime) in keyed.items() if batch > 1 or regime != "arrivals"}
+        held_out |= {f"_{key}_b{batch}" for key, (_, regime) in keyed.items()
+                     if key in loads and (regime != "greedy" or batch not in TUNED_BATCHES)}
+
+        def over_loads(times: dict) -> dict[str, list[float]]:  # each round's seconds, workloads summed
+            return {name: [sum(per_load) for per_load in zip(*(times[name, load] for load in loads
+                                                               if (name, load) in times))]
+                    for name in configs}
+
+        pairs = interleaved(args.model, loads, warm, batch, configs, args.repeats, args.seconds,
+                            {key: keyed[key][1] for key in loads})
         result[f"rounds_b{batch}"] = {load: len(pairs[next(iter(configs)), load]) for load in loads}
         runs = {key: [run for run, _ in rs] for key, rs in pairs.items()}
         beside = {key: [other for _, other in rs] for key, rs in pairs.items()}  # each run's partner's
         plain_runs = {load: [r for name in configs if partner(name, configs) == PLAIN
-                             for r in beside[name, load]] for load in loads}
+                             for r in beside.get((name, load), [])] for load in loads}
         reference = {load: plain_runs[load][0][0] for load in loads}  # plain decoding's outputs
         outs = {key: rs[0][0] for key, rs in runs.items()}
         seconds = {key: [r[1] for r in rs] for key, rs in runs.items()}
@@ -367,7 +427,11 @@ def run(args: argparse.Namespace) -> dict:
         decoding = {key: [r[2]["run_decode_seconds"] for r in rs] for key, rs in runs.items()}
         base_decoding = {key: [r[2]["run_decode_seconds"] for r in rs] for key, rs in beside.items()}
         for (name, load), rs in runs.items():  # every run and its partner's
-            equal &= all(r[0] == reference[load] for r in rs + beside[name, load])
+            if load in sampled:  # compared by distribution: every round's tokens against its partner's
+                result[f"token_tv_{name}_{load}_b{batch}"] = token_distance(
+                    [r[0] for r in rs], [r[0] for r in beside[name, load]])
+            else:
+                equal &= all(r[0] == reference[load] for r in rs + beside[name, load])
             if name == "plain_again":  # the noise floor: plain decoding against itself
                 result[f"plain_vs_plain_{load}_b{batch}"] = round(
                     paired(base[name, load], seconds[name, load]), 2)
@@ -381,7 +445,7 @@ def run(args: argparse.Namespace) -> dict:
                     paired(seconds[name, load], base[name, load]), 3)
                 continue
             cell, stats = f"{name}_{load}_b{batch}", [r[2] for r in rs]  # every round's run
-            more = tokens(outs[name, load]) / tokens(reference[load])
+            more = sum(tokens(r[0]) for r in rs) / sum(tokens(r[0]) for r in beside[name, load])
             result[f"speedup_{cell}"] = round(paired(base[name, load], seconds[name, load]) * more, 2)
             result[f"decode_speedup_{cell}"] = round(
                 paired(base_decoding[name, load], decoding[name, load]) * more, 2)
@@ -408,8 +472,8 @@ def run(args: argparse.Namespace) -> dict:
                 / sum(min(seconds[name, load]) for load in loads), 1)
             result[f"peak_blocks_{name}_b{batch}"] = max(r[2]["peak_blocks_in_use"]
                                                          for load in loads for r in runs[name, load])
-            more = (sum(tokens(outs[name, load]) for load in loads)
-                    / sum(tokens(reference[load]) for load in loads))
+            more = (sum(tokens(r[0]) for load in loads for r in runs[name, load])
+                    / sum(tokens(r[0]) for load in loads for r in beside[name, load]))
             result[f"speedup_{name}_b{batch}"] = round(paired(both_base[name], both[name]) * more, 2)
             # each workload's engine calibrated when it was built: a short batch job pays that too
             calibrations = [[r[2].get("spec_calibration_seconds", 0.0) for r in runs[name, load]]
@@ -427,9 +491,11 @@ def run(args: argparse.Namespace) -> dict:
                 result[f"all_accepted_{name}_b{batch}"] = round(
                     paired(both_base[name + ALL_ACCEPTED], both[name + ALL_ACCEPTED]), 2)
     cells = {k[len("speedup_"):]: v for k, v in result.items()
-             if k.startswith("speedup_") and any(f"_{load}_b" in k for load in loads)}
+             if k.startswith("speedup_") and any(f"_{key}_b" in k for key in keyed)}
     result["min_speedup"] = min(cells.values())
     result["min_speedup_cell"] = min(cells, key=cells.get)
+    result["held_out_cells"] = sorted(cell for cell in cells if any(cell.endswith(h) for h in held_out))
+    apart(result, "min_speedup", cells, set(result["held_out_cells"]))
     # the controller against the better of fixed rounds and plain decoding, cell by cell, each
     # ratio met head to head
     against_fixed = {cell: result[f"controller_vs_fixed_{cell}"] for cell in cells
@@ -440,6 +506,7 @@ def run(args: argparse.Namespace) -> dict:
     if versus:
         result["controller_vs_best_fixed_min"] = min(versus.values())
         result["controller_vs_best_fixed_min_cell"] = min(versus, key=versus.get)
+        apart(result, "controller_vs_best_fixed_min", versus, set(result["held_out_cells"]))
     floor = [v for k, v in result.items() if k.startswith("plain_vs_plain_")]
     result["plain_vs_plain_range"] = [min(floor), max(floor)]
     if len(batches) > 1:
@@ -447,11 +514,13 @@ def run(args: argparse.Namespace) -> dict:
         # its K/V is the target's own, so only the slots reserved for a round's drafts count.
         result["draft_extra_blocks_early_exit"] = (result[f"peak_blocks_early_exit_b{batches[1]}"]
                                                    - result[f"peak_blocks_plain_b{batches[1]}"])
-    if 1 in batches and "summaries" in loads:
-        equal &= _against_transformers(args, loads["summaries"][:args.batch1_requests], ours, result)
-    result["outputs_equal"] = equal
-    _chart(args.chart, batches, result, methods, list(loads))
+    if 1 in batches and "summaries" in keyed:
+        equal &= _against_transformers(args, by_load["summaries"][:args.batch1_requests], ours, result)
+    result["outputs_equal"] = equal  # greedy outputs; sampled ones: token_tv_*
+    if greedy := [key for key, (_, regime) in keyed.items() if regime == "greedy"]:
+        _chart(args.chart, batches, result, methods, greedy)
     result["requests_per_workload"] = {"b1": args.batch1_requests, "other": args.requests}
+    result["regimes"] = regimes
     result["settings"] = {"num_tokens": args.num_tokens,
                           "early_exit_layer": args.early_exit_layer or _early_exit_layer(args.model),
                           "adaptive_threshold": args.adaptive_threshold or None,
@@ -492,6 +561,32 @@ def _against_transformers(args: argparse.Namespace, docs: list[str], ours: dict,
     return all([_until_eos(x, eos) for x in v] == reference for v in variants)
 
 
+def apart(result: dict, name: str, cells: dict[str, float], held_out: set[str]) -> None:
+    """``name``'s least over the tuned cells and over the held-out ones, each with its cell:
+    ``<name>_tuned`` and ``<name>_held_out`` (a rule that generalises holds in both)."""
+    for part, chosen in (("tuned", {c: v for c, v in cells.items() if c not in held_out}),
+                         ("held_out", {c: v for c, v in cells.items() if c in held_out})):
+        if chosen:
+            result[f"{name}_{part}"] = min(chosen.values())
+            result[f"{name}_{part}_cell"] = min(chosen, key=chosen.get)
+
+
+def token_distance(outputs: list[list[list[int]]], others: list[list[list[int]]]) -> float:
+    """Total variation distance between the token frequencies of two sets of runs' outputs (each
+    run a list of token lists): how differently two samplers' outputs are distributed, 0 alike."""
+    def frequencies(runs: list[list[list[int]]]) -> dict[int, float]:
+        counts: dict[int, int] = {}
+        for run in runs:
+            for ids in run:
+                for token in ids:
+                    counts[token] = counts.get(token, 0) + 1
+        total = sum(counts.values()) or 1
+        return {token: n / total for token, n in counts.items()}
+
+    a, b = frequencies(outputs), frequencies(others)
+    return round(sum(abs(a.get(t, 0.0) - b.get(t, 0.0)) for t in a.keys() | b.keys()) / 2, 4)
+
+
 def _merged_stats(stats: list[dict]) -> dict:
     """Speculation counters of several runs combined into one set of rates."""
     return SpeculationStats(rounds=sum(st.get("spec_rounds", 0) for st in stats),
@@ -508,7 +603,8 @@ def _early_exit_layer(model: Path) -> int:
 
 
 def _chart(path: Path, batches: list[int], result: dict, methods: list[str], loads: list[str]) -> None:
-    """Speedup over plain decoding against the batch size, one line per method and workload."""
+    """Speedup over plain decoding against the batch size, one line per method and greedy workload
+    (none drawn without one)."""
     import matplotlib
 
     matplotlib.use("Agg")
