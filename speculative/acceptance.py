@@ -7,15 +7,21 @@ Each is a decayed count of hits over trials, shrunk toward the rate of position 
 toward 1) with the weight of ``PRIOR`` trials, so a position no round has reached goes as the
 deepest one reached. A rate is conditional on reaching its position.
 
-A batch is priced on its sequences' rounds, pooled, the engine's rate weighing ``BATCH_PRIOR``
-trials (``batch_rates``): scenes left after report summaries end go by their own drafts.
+Rates are kept per sampling regime (``regime``: greedy, or a temperature and top-p): the
+rejection sampler accepts a sampled draft less often than greedy verification accepts the same
+draft, so a sampled batch is never priced on what greedy rounds accepted. A batch is priced on
+its sequences' rounds, pooled, with their regimes' rates (mixed regimes: by how many sequences
+each has) weighing ``BATCH_PRIOR`` trials (``batch_rates``): scenes left after report summaries
+end go by their own drafts.
 
-Invariant: every rate is in ``[0, 1]``.
+Invariant: every rate is in ``[0, 1]``; a regime's rates rest on its own rounds only.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Hashable
 
 import numpy as np
 
@@ -52,58 +58,86 @@ class DecayedRate:
         return rates
 
 
+def regime(temperature: float, top_p: float) -> Hashable:
+    """The sampling regime whose rounds a sequence's are pooled with: greedy, or its temperature
+    and top-p (rounded, so near-equal settings share their rates)."""
+    return "greedy" if temperature == 0 else (round(temperature, 2), round(top_p, 2))
+
+
 @dataclass(slots=True)
 class DraftHistory:
-    """What one sequence drafted: the steps decided for it, the drafts it proposed, its rounds."""
+    """What one sequence drafted: the steps decided for it, the drafts it proposed, its rounds,
+    and the regime it samples in."""
 
     decisions: int = 0
     drafted: int = 0
     counts: np.ndarray | None = None  # hits, trials of proposing; of accepting [4, positions]
+    regime: Hashable = "greedy"
+
+
+@dataclass(slots=True)
+class RegimeRates:
+    """One regime's rates and the sequence-rounds they rest on."""
+
+    proposed: DecayedRate
+    accepted: DecayedRate
+    rounds: int = 0
+    chains: tuple | None = None  # (rounds, proposed, accepted) as last derived
 
 
 @dataclass(slots=True)
 class AcceptanceModel:
-    """The engine's rates, with the observations they rest on."""
+    """The engine's rates by regime, with the observations they rest on."""
 
     positions: int
-    version: int = 0  # sequence-rounds observed
-    proposed: DecayedRate = field(init=False)
-    accepted: DecayedRate = field(init=False)
-    _rates: tuple | None = field(init=False, default=None)  # (version, proposed, accepted arrays)
+    version: int = 0  # sequence-rounds observed, every regime's
+    regimes: dict[Hashable, RegimeRates] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.proposed = DecayedRate.empty(self.positions)
-        self.accepted = DecayedRate.empty(self.positions)
+    def _of(self, key: Hashable) -> RegimeRates:
+        if key not in self.regimes:
+            empty = DecayedRate.empty
+            self.regimes[key] = RegimeRates(empty(self.positions), empty(self.positions))
+        return self.regimes[key]
+
+    def rounds(self, histories: list[DraftHistory]) -> int:
+        """The fewest sequence-rounds any of these sequences' regimes rests on."""
+        return min((self._of(h.regime).rounds for h in histories), default=0)
 
     def observe(self, history: DraftHistory, chosen: int, proposed: int, accepted: int,
                 confidence_stop: bool) -> None:
         """A round in which the sequence was allowed ``chosen`` drafts, proposed ``proposed``
         (fewer when its confidence fell below the threshold, or it drafted a token ending it) and
-        the target accepted ``accepted`` of them."""
+        the target accepted ``accepted`` of them (the rejection sampler's verdict, if sampled)."""
         history.drafted += proposed
         if chosen == 0:
             return
         self.version += 1
+        rates = self._of(history.regime)
+        rates.rounds += 1
         history.counts = np.zeros((4, self.positions)) if history.counts is None else history.counts
-        for row, rate, outcomes in ((0, self.proposed, [True] * proposed + [False] * confidence_stop),
-                                    (2, self.accepted, [True] * accepted + [False] * (accepted < proposed))):
+        for row, rate, outcomes in ((0, rates.proposed, [True] * proposed + [False] * confidence_stop),
+                                    (2, rates.accepted, [True] * accepted + [False] * (accepted < proposed))):
             rate.observe(outcomes, DECAY)
             history.counts[row, :sum(outcomes)] += 1.0  # its hits (a run from the first position)
             history.counts[row + 1, :len(outcomes)] += 1.0  # its trials
 
-    def rates(self, limit: int) -> tuple[list[float], list[float]]:
-        """The ``proposed`` and ``accepted`` rates at positions ``1..limit`` (derived once per
-        observation)."""
-        if self._rates is None or self._rates[0] != self.version:
-            self._rates = (self.version, self.proposed.chain(), self.accepted.chain())
-        return self._rates[1][:limit], self._rates[2][:limit]
+    def rates(self, limit: int, key: Hashable = "greedy") -> tuple[list[float], list[float]]:
+        """Regime ``key``'s ``proposed`` and ``accepted`` rates at positions ``1..limit`` (derived
+        once per observation)."""
+        rates = self._of(key)
+        if rates.chains is None or rates.chains[0] != rates.rounds:
+            rates.chains = (rates.rounds, rates.proposed.chain(), rates.accepted.chain())
+        return rates.chains[1][:limit], rates.chains[2][:limit]
 
     def batch_rates(self, histories: list[DraftHistory], limit: int) -> tuple[list[float], list[float]]:
-        """``rates`` for a batch of sequences with these ``histories`` (the engine's where none drafted)."""
-        proposed, accepted = self.rates(limit)
+        """The rates of a batch of sequences with these ``histories``: their regimes' (each by
+        how many sequences it has), moved toward the rounds the sequences drafted themselves."""
+        regimes = Counter(h.regime for h in histories) or Counter(["greedy"])
+        engine = (sum(n * np.array(self.rates(limit, key)) for key, n in regimes.items())
+                  / sum(regimes.values()))
         counted = [h.counts[:, :limit] for h in histories if h.counts is not None]
         if not counted:
-            return proposed, accepted
+            return engine[0].tolist(), engine[1].tolist()
         hits = np.sum(counted, axis=0)
-        return tuple(((hits[2 * k] + BATCH_PRIOR * np.array(engine)) / (hits[2 * k + 1] + BATCH_PRIOR)).tolist()
-                     for k, engine in enumerate((proposed, accepted)))
+        return tuple(((hits[2 * k] + BATCH_PRIOR * engine[k]) / (hits[2 * k + 1] + BATCH_PRIOR)).tolist()
+                     for k in range(2))

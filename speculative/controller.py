@@ -19,13 +19,14 @@ leaves out: that overestimate measured better). A round is taken when its second
 draft model's catch-up spread over the tokens the batch is expected still to generate (at most
 ``num_tokens`` of each output), are at most ``1 / ROUND_MARGIN`` of plain decoding's.
 
-Exploring: until ``EXPLORE`` verification passes are timed and ``EXPLORE`` sequence-rounds seen, a
-step is a round as fixed rounds run it (so a fresh engine's first round is the one they run where
-speculation pays); with the pass costs calibrated, only where a round whose every draft is accepted
-would pay. Else plain, held ``HOLD_MAX`` steps however the batch shrinks and, unless a token limit
-cut the round priced, over sequences joining it in its size class (one that has generated nothing
-prices alike) until an output longer than every one recorded before is recorded (one that has may
-pay). Nothing is priced before a plain pass is timed.
+Exploring: until ``EXPLORE`` verification passes are timed and ``EXPLORE`` sequence-rounds seen in
+each sampling regime of the batch (``speculative.acceptance``: sampled rounds are priced on sampled
+rounds), a step is a round as fixed rounds run it (so a fresh engine's first round is the one they
+run where speculation pays); with the pass costs calibrated, only where a round whose every draft is
+accepted would pay. Else plain, held ``HOLD_MAX`` steps however the batch shrinks and, unless a
+token limit cut the round priced, over sequences joining it in its size class (one that has
+generated nothing prices alike) until an output longer than every one recorded before is recorded
+(one that has may pay). Nothing is priced before a plain pass is timed.
 
 Catch-up: a draft model follows prompts at prefill only after a priced round (``drafting_lately``);
 otherwise a round first fills in what it skipped in one pass. Holding: a priced decision is kept for
@@ -45,7 +46,7 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import mul
-from typing import Callable, Iterable
+from typing import Callable, Hashable, Iterable
 
 from speculative.acceptance import AcceptanceModel, DraftHistory
 from speculative.costs import CONTEXT_SCALE, ROW_SCALE, PassCosts
@@ -108,8 +109,10 @@ class DraftLengthController:
         """Whether steps of a script are still to come."""
         return bool(self._script)
 
-    def new_history(self) -> DraftHistory:
-        history = DraftHistory()
+    def new_history(self, regime: Hashable = "greedy") -> DraftHistory:
+        """A sequence's history, its rounds pooled with those of its sampling ``regime``
+        (``speculative.acceptance.regime``)."""
+        history = DraftHistory(regime=regime)
         self.histories.append(history)
         return history
 
@@ -204,7 +207,7 @@ class DraftLengthController:
             self._hold = None
             return [0] * batch
         explore, costs = self.settings.explore, self.costs
-        if costs.count("verify") < explore or self.acceptance.version < explore:
+        if costs.count("verify") < explore or self.acceptance.rounds(histories) < explore:
             self._hold = None
             if beside_prompts:
                 return [0] * batch

@@ -55,7 +55,7 @@ from mmkv.models.packed_linear import kernel_builds
 from mmkv.sampler import filtered_probs, top_tokens
 from mmkv.structured import apply_draft_masks
 from mmkv.step_context import StepContext
-from speculative.acceptance import DraftHistory
+from speculative.acceptance import DraftHistory, regime
 from speculative.config import SpeculativeConfig
 from speculative.controller import DraftLengthController
 from speculative.verification import Verdict, greedy_verdict, verify_sampling
@@ -273,7 +273,7 @@ class Speculator(ABC):
 
     def _history(self, seq: Sequence) -> DraftHistory:
         if seq.drafting is None:
-            seq.drafting = self.controller.new_history()
+            seq.drafting = self.controller.new_history(regime(seq.params.temperature, seq.params.top_p))
         return seq.drafting
 
     def _begin(self, seqs: list[Sequence]) -> None:

@@ -16,6 +16,7 @@ from mmkv.sequence import Sequence
 from speculative import DraftLengthController, SpeculativeConfig
 from speculative import costs as cost_model
 from speculative.controller import EXPLORE, HOLD_MAX, Settings
+from speculative.acceptance import regime
 from speculative.costs import LinearFit, PassCosts
 from speculative.lengths import OutputLengths
 from speculative.proposers import Speculator
@@ -271,6 +272,36 @@ def test_a_batch_is_priced_on_its_own_rounds_not_on_the_engines():
     assert controller.acceptance.rates(1)[1][0] < 0.3
     assert controller.choose([controller.new_history()], [1], [10]) == [0]
     assert controller.choose([controller.history], [1], [10]) == [1]
+
+
+def test_sampled_rounds_are_priced_on_sampled_acceptance_and_greedy_ones_on_greedy():
+    """Greedy rounds whose drafts are always accepted, sampled rounds (temperature 0.7) whose
+    drafts the rejection sampler always rejects, on the same engine. A fresh greedy sequence
+    drafts; a fresh sampled one, priced on its regime's rounds, decodes plainly. A regime no round
+    has run in yet (temperature 1.0) explores instead of borrowing another regime's rates. Once
+    sampled rounds are accepted again, sampled sequences draft again."""
+    controller = priced(0.001)  # greedy one-draft rounds, always right, pay
+    sampled = regime(0.7, 1.0)
+
+    def fresh(key="greedy") -> list[int]:  # a new sequence's step, priced (no decision held)
+        controller._hold = None
+        return controller.choose([controller.new_history(key)], [1], [10])
+
+    for _ in range(30):
+        controller.observe_round(controller.new_history(sampled), 1, 1, 0, False)
+    assert fresh() == [1] and fresh(sampled) == [0]
+    assert fresh(regime(1.0, 1.0)) == [1]  # nothing known of it: explores
+    for _ in range(60):
+        controller.observe_round(controller.new_history(sampled), 1, 1, 1, False)
+    assert fresh(sampled) == [1] and fresh() == [1]
+
+
+def test_a_sequence_drafts_in_the_regime_its_sampling_parameters_name():
+    spec = ScriptedPair(lambda seq_id, position: True, lambda rows: 1e-3, lambda rows: 1e-3)
+    greedy, sampled = sequences(2)
+    sampled.params = SamplingParams(max_tokens=10_000, temperature=0.7, top_p=0.9)
+    assert spec._history(greedy).regime == "greedy"
+    assert spec._history(sampled).regime == regime(0.7, 0.9) != regime(0.7, 1.0)
 
 
 def test_plain_decisions_are_held_for_doubling_spans_per_batch_size_class():
