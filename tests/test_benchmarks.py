@@ -262,7 +262,7 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
         return [[1, 2]], seconds[name], {**stats, "run_prefill_seconds": 0.5,
                                          "run_decode_seconds": seconds[name] - 0.5}
 
-    def scripted(model, prompts, warm, batch, configs, repeats, budget):  # fixed rounds meet the controller
+    def scripted(model, prompts, warm, batch, configs, repeats, budget, regimes):  # fixed rounds meet the controller
         return {(name, load): [(run(name), run(spec_bench.partner(name, configs)))] * 4
                 for name in configs for load in prompts}
 
@@ -270,7 +270,7 @@ def test_all_accepted_cells_are_paired_speedups_apart_from_min_speedup(monkeypat
     parser = argparse.ArgumentParser()
     spec_bench.add_arguments(parser)
     result = spec_bench.run(parser.parse_args(["--batches", "8", "--requests", "2", "--all-accepted",
-                                               "--chart", str(tmp_path / "chart.png")]))
+                                               "--regimes", "greedy", "--chart", str(tmp_path / "chart.png")]))
     for load in ("scenes", "summaries", "short", "mixed"):
         assert result[f"all_accepted_early_exit_{load}_b8"] == 4.0
         assert result[f"all_accepted_draft_{load}_b8"] == 0.5
@@ -368,7 +368,7 @@ def test_short_runs_get_more_rounds_up_to_a_cap(monkeypatch, seconds, rounds):
     take 10 s, a sixth completes the pair); the first round is not counted."""
     calls, seeds = [], []
     monkeypatch.setattr(spec_bench, "fresh_engine", lambda *args: None)
-    monkeypatch.setattr(spec_bench, "in_turns", lambda engines, *args, seed: calls.append(engines)
+    monkeypatch.setattr(spec_bench, "in_turns", lambda engines, *args, seed, **_: calls.append(engines)
                         or seeds.append(seed) or {name: ([], 0.5, {}) for name in engines})
     pairs = spec_bench.interleaved(Path("model"), {"load": ["p"]}, {"load": ["w"]}, 1,
                                    {"plain_again": None, "other": None},
@@ -386,7 +386,7 @@ def test_each_workload_gets_rounds_while_its_own_runs_are_short(monkeypatch):
     seeds: dict[str, list[int]] = {"quick": [], "slow": []}
     run_seconds = {"quick": 0.1, "slow": 4.0}
     monkeypatch.setattr(spec_bench, "fresh_engine", lambda *args: None)
-    monkeypatch.setattr(spec_bench, "in_turns", lambda engines, prompts, *args, seed: seeds[prompts[0]].append(seed)
+    monkeypatch.setattr(spec_bench, "in_turns", lambda engines, prompts, *args, seed, **_: seeds[prompts[0]].append(seed)
                         or {name: ([], run_seconds[prompts[0]], {}) for name in engines})
     pairs = spec_bench.interleaved(Path("model"), {"quick": ["quick"], "slow": ["slow"]},
                                    {"quick": ["w"], "slow": ["w"]}, 1, {"other": None}, repeats=3, seconds=10)
@@ -401,7 +401,7 @@ def test_fixed_rounds_take_turns_with_their_controller(monkeypatch):
     decoding."""
     calls = []
     monkeypatch.setattr(spec_bench, "fresh_engine", lambda model, warm, batch, config, own=None: config)
-    monkeypatch.setattr(spec_bench, "in_turns", lambda engines, *args, seed: calls.append(dict(engines))
+    monkeypatch.setattr(spec_bench, "in_turns", lambda engines, *args, seed, **_: calls.append(dict(engines))
                         or {name: ([], 1.0 if name.endswith("_fixed") else 2.0, {}) for name in engines})
     configs = {"m": "controller", "m_fixed": "fixed", "plain_again": None}
     pairs = spec_bench.interleaved(Path("model"), {"load": ["p"]}, {"load": ["w"]}, 1, configs,
@@ -472,7 +472,7 @@ def test_every_speedup_divides_its_own_baseline(monkeypatch, tmp_path, all_accep
                                    "spec_seq_mean_draft_length_mean": 1.0, "run_prefill_seconds": 0.1,
                                    "run_decode_seconds": 0.5}
 
-    def scripted(model, prompts, warm, batch, configs, repeats, budget):  # each beside its own plain run
+    def scripted(model, prompts, warm, batch, configs, repeats, budget, regimes):  # each beside its own plain run
         plain = {"plain_again": 4.0, "early_exit_all_accepted": 4.0, "draft_all_accepted": 4.0}
         return {(name, load): [(run({"plain_again": 2.0}.get(name, 1.0)), run(plain.get(name, 2.0)))] * 4
                 for name in configs for load in prompts}
@@ -480,8 +480,8 @@ def test_every_speedup_divides_its_own_baseline(monkeypatch, tmp_path, all_accep
     monkeypatch.setattr(spec_bench, "interleaved", scripted)
     parser = argparse.ArgumentParser()
     spec_bench.add_arguments(parser)
-    result = spec_bench.run(parser.parse_args(["--batches", "8", "--requests", "2", "--chart",
-                                               str(tmp_path / "chart.png")]
+    result = spec_bench.run(parser.parse_args(["--batches", "8", "--requests", "2", "--regimes", "greedy",
+                                               "--chart", str(tmp_path / "chart.png")]
                                               + ["--all-accepted"] * all_accepted))
     assert result["speedup_draft_summaries_b8"] == 2.0 and result["plain_vs_plain_range"] == [2.0, 2.0]
     assert ("all_accepted_draft_summaries_b8" in result) == all_accepted
