@@ -90,8 +90,12 @@ class AcceptanceModel:
     """The engine's rates by regime, with the observations they rest on."""
 
     positions: int
-    version: int = 0  # sequence-rounds observed, every regime's
     regimes: dict[Hashable, RegimeRates] = field(default_factory=dict)
+
+    @property
+    def version(self) -> int:
+        """Sequence-rounds observed, every regime's."""
+        return sum(rates.rounds for rates in self.regimes.values())
 
     def _of(self, key: Hashable) -> RegimeRates:
         if key not in self.regimes:
@@ -111,7 +115,6 @@ class AcceptanceModel:
         history.drafted += proposed
         if chosen == 0:
             return
-        self.version += 1
         rates = self._of(history.regime)
         rates.rounds += 1
         history.counts = np.zeros((4, self.positions)) if history.counts is None else history.counts

@@ -67,6 +67,7 @@ import math
 import random
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -575,11 +576,7 @@ def token_distance(outputs: list[list[list[int]]], others: list[list[list[int]]]
     """Total variation distance between the token frequencies of two sets of runs' outputs (each
     run a list of token lists): how differently two samplers' outputs are distributed, 0 alike."""
     def frequencies(runs: list[list[list[int]]]) -> dict[int, float]:
-        counts: dict[int, int] = {}
-        for run in runs:
-            for ids in run:
-                for token in ids:
-                    counts[token] = counts.get(token, 0) + 1
+        counts = Counter(token for run in runs for ids in run for token in ids)
         total = sum(counts.values()) or 1
         return {token: n / total for token, n in counts.items()}
 

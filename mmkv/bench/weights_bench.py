@@ -251,7 +251,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.kernels:
         from mmkv.bench.quantized_kernels import kernel_times
 
-        return {"model": model_config(args.hidden, args.layers), **kernel_times(model_config(args.hidden, args.layers))}
+        config = model_config(args.hidden, args.layers)
+        return {"model": config, **kernel_times(config)}
     work = workload(args)
     result: dict = {"model": model_config(args.hidden, args.layers), "repeats": args.repeats}
     missing = llama_cpp_peer.available() if args.peers else None
