@@ -30,34 +30,6 @@ PRIOR = 1.0  # trials' weight of the position before (the first: of rate 1) in a
 BATCH_PRIOR = 4.0  # trials' weight of the engine's rate in a batch's
 
 
-@dataclass(slots=True)
-class DecayedRate:
-    """Decayed hits and trials per position."""
-
-    hits: list[float]
-    trials: list[float]
-
-    @classmethod
-    def empty(cls, positions: int) -> DecayedRate:
-        return cls([0.0] * positions, [0.0] * positions)
-
-    def observe(self, outcomes: list[bool], decay: float) -> None:
-        """One round's outcomes at positions 1, 2, ... (as far as the round reached)."""
-        self.hits = [h * decay for h in self.hits]
-        self.trials = [t * decay for t in self.trials]
-        for j, hit in enumerate(outcomes):
-            self.trials[j] += 1.0
-            self.hits[j] += hit
-
-    def chain(self) -> list[float]:
-        """The rate at every position, each shrunk toward the one before it."""
-        rates, before = [], 1.0
-        for hits, trials in zip(self.hits, self.trials):
-            before = (hits + PRIOR * before) / (trials + PRIOR)
-            rates.append(before)
-        return rates
-
-
 def regime(temperature: float, top_p: float) -> Hashable:
     """The sampling regime whose rounds a sequence's are pooled with: greedy, or its temperature
     and top-p (rounded, so near-equal settings share their rates)."""
@@ -66,23 +38,42 @@ def regime(temperature: float, top_p: float) -> Hashable:
 
 @dataclass(slots=True)
 class DraftHistory:
-    """What one sequence drafted: the steps decided for it, the drafts it proposed, its rounds,
-    and the regime it samples in."""
+    """What one sequence drafted: the steps decided for it, the drafts it proposed, its rounds'
+    counts, and the regime it samples in."""
 
     decisions: int = 0
     drafted: int = 0
-    counts: np.ndarray | None = None  # hits, trials of proposing; of accepting [4, positions]
+    counts: np.ndarray | None = None  # hits and trials of proposing, of accepting: [4, positions]
     regime: Hashable = "greedy"
 
 
 @dataclass(slots=True)
 class RegimeRates:
-    """One regime's rates and the sequence-rounds they rest on."""
+    """One regime's decayed counts (laid out as a history's) and the sequence-rounds behind them."""
 
-    proposed: DecayedRate
-    accepted: DecayedRate
+    counts: np.ndarray
     rounds: int = 0
     chains: tuple | None = None  # (rounds, proposed, accepted) as last derived
+
+
+def _outcomes(positions: int, proposed: int, accepted: int, confidence_stop: bool) -> np.ndarray:
+    """One round's hits and trials by position: proposing ran through ``proposed`` drafts and
+    failed at the next one if the confidence threshold stopped it; accepting ran through
+    ``accepted`` and failed at the next one if a proposed draft was rejected."""
+    counts = np.zeros((4, positions))
+    for row, hits, trials in ((0, proposed, proposed + confidence_stop),
+                              (2, accepted, accepted + (accepted < proposed))):
+        counts[row, :hits] = counts[row + 1, :trials] = 1.0
+    return counts
+
+
+def _chain(hits: np.ndarray, trials: np.ndarray) -> list[float]:
+    """The rate at every position, each shrunk toward the one before it (the first toward 1)."""
+    rates, before = [], 1.0
+    for hit, trial in zip(hits.tolist(), trials.tolist()):
+        before = (hit + PRIOR * before) / (trial + PRIOR)
+        rates.append(before)
+    return rates
 
 
 @dataclass(slots=True)
@@ -92,15 +83,9 @@ class AcceptanceModel:
     positions: int
     regimes: dict[Hashable, RegimeRates] = field(default_factory=dict)
 
-    @property
-    def version(self) -> int:
-        """Sequence-rounds observed, every regime's."""
-        return sum(rates.rounds for rates in self.regimes.values())
-
     def _of(self, key: Hashable) -> RegimeRates:
         if key not in self.regimes:
-            empty = DecayedRate.empty
-            self.regimes[key] = RegimeRates(empty(self.positions), empty(self.positions))
+            self.regimes[key] = RegimeRates(np.zeros((4, self.positions)))
         return self.regimes[key]
 
     def rounds(self, histories: list[DraftHistory]) -> int:
@@ -115,21 +100,19 @@ class AcceptanceModel:
         history.drafted += proposed
         if chosen == 0:
             return
+        outcomes = _outcomes(self.positions, proposed, accepted, confidence_stop)
         rates = self._of(history.regime)
         rates.rounds += 1
-        history.counts = np.zeros((4, self.positions)) if history.counts is None else history.counts
-        for row, rate, outcomes in ((0, rates.proposed, [True] * proposed + [False] * confidence_stop),
-                                    (2, rates.accepted, [True] * accepted + [False] * (accepted < proposed))):
-            rate.observe(outcomes, DECAY)
-            history.counts[row, :sum(outcomes)] += 1.0  # its hits (a run from the first position)
-            history.counts[row + 1, :len(outcomes)] += 1.0  # its trials
+        rates.counts = rates.counts * DECAY + outcomes
+        history.counts = outcomes if history.counts is None else history.counts + outcomes
 
     def rates(self, limit: int, key: Hashable = "greedy") -> tuple[list[float], list[float]]:
         """Regime ``key``'s ``proposed`` and ``accepted`` rates at positions ``1..limit`` (derived
         once per observation)."""
         rates = self._of(key)
         if rates.chains is None or rates.chains[0] != rates.rounds:
-            rates.chains = (rates.rounds, rates.proposed.chain(), rates.accepted.chain())
+            counts = rates.counts
+            rates.chains = (rates.rounds, _chain(counts[0], counts[1]), _chain(counts[2], counts[3]))
         return rates.chains[1][:limit], rates.chains[2][:limit]
 
     def batch_rates(self, histories: list[DraftHistory], limit: int) -> tuple[list[float], list[float]]:

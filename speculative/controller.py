@@ -1,42 +1,28 @@
 """Whether the next step runs a round or decodes plainly.
 
-A round lets every sequence draft its limit (``num_tokens``, less near its token limit); each
-stops where its draft is unsure (the confidence threshold) or ends it. Where speculation pays that
-is what fixed rounds do, and the threshold stops a sequence better than a length chosen ahead
-from rates. What is chosen is whether a round pays at all, step by step.
+A round lets every sequence draft its limit (``num_tokens``, less near its token limit), each
+stopping where its draft is unsure (the confidence threshold) or ends it: what fixed rounds run.
+What is chosen, step by step, is whether a round pays at all: its expected tokens (the batch's
+acceptance rates by position, ``speculative.acceptance``, and how far each sequence is expected
+still to run, ``speculative.lengths``) against its passes' seconds (``speculative.costs``, with a
+draft model's catch-up spread over the tokens the batch still has to generate), at least
+``ROUND_MARGIN`` x plain decoding's tokens a second. Beside prompt chunks plain decoding joins
+their pass, so it costs its share of it, not the pass. The model in full: docs/speculation.md.
 
-The model. Plainly, ``B`` sequences yield ``B`` tokens in one pass costing ``T_plain(B)``. With the
-batch's rates (``speculative.acceptance``: ``c_j`` the draft proposes its ``j``-th token, ``a_j``
-the target accepts it) and ``speculative.lengths``' survival ``S_bj`` (sequence ``b`` runs ``j``
-tokens past its next one; 0 past its limit ``g_b``), ``D_j = c_1 ... c_j``, ``A_j = a_1 ... a_j``:
+Exploring: a fresh controller first times a plain step; then, until ``EXPLORE`` verification passes
+are timed and ``EXPLORE`` sequence-rounds seen in each sampling regime of the batch (sampled rounds
+are priced on sampled rounds), a step is a round as fixed rounds run it where a round whose every
+draft is accepted would pay. A step carrying prompt chunks neither explores nor holds.
 
-    tokens              = sum_b (1 + sum_{j <= g_b} D_j A_j S_bj)
-    draft pass j >= 1   rows_j = sum_b D_j S_b(j-1), run with probability 1 - prod_b (1 - D_j S_b(j-1))
-    verification rows   = sum_b (1 + sum_{j <= g_b} D_j S_b(j-1))
-
-each pass priced by ``speculative.costs`` (a drafted end keeps its pass and row, which a greedy round
-leaves out: that overestimate measured better). A round is taken when its seconds per token, with a
-draft model's catch-up spread over the tokens the batch is expected still to generate (at most
-``num_tokens`` of each output), are at most ``1 / ROUND_MARGIN`` of plain decoding's.
-
-Exploring: until ``EXPLORE`` verification passes are timed and ``EXPLORE`` sequence-rounds seen in
-each sampling regime of the batch (``speculative.acceptance``: sampled rounds are priced on sampled
-rounds), a step is a round as fixed rounds run it (so a fresh engine's first round is the one they
-run where speculation pays); with the pass costs calibrated, only where a round whose every draft is
-accepted would pay. Else plain, held ``HOLD_MAX`` steps however the batch shrinks and, unless a
-token limit cut the round priced, over sequences joining it in its size class (one that has
-generated nothing prices alike) until an output longer than every one recorded before is recorded
-(one that has may pay). Nothing is priced before a plain pass is timed.
-
-Catch-up: a draft model follows prompts at prefill only after a priced round (``drafting_lately``);
-otherwise a round first fills in what it skipped in one pass. Holding: a priced decision is kept for
-1 step, doubling each time pricing repeats it in the batch's size class (1, 2-3, 4-7, ...; a class
-drained into goes on from the last span) up to ``HOLD_MAX`` (plain) or ``ROUND_HOLD_MAX`` (rounds).
-A plain hold ends when a sequence joins or the batch shrinks into a smaller class; a round hold when
-it grows into a larger one. Each constant is a default of ``Settings`` (docs/speculation.md).
+Holding: a priced decision is kept for 1 step, doubling each time pricing repeats it, up to
+``HOLD_MAX`` (plain) or ``ROUND_HOLD_MAX`` (rounds) steps; the batch as it is now is priced at once
+when a sequence joins it or its size class (1, 2-3, 4-7, ...) changes. Plain decoding learns
+nothing of acceptance, so after ``HOLD_MAX`` plain steps a round is taken (a probe) where a round
+whose every draft is accepted would pay. A draft model follows prompts at prefill only after a
+priced round (``drafting_lately``); otherwise a round first catches it up in one pass.
 
 Invariants: a chosen length is 0 or the limit; with ``fixed`` it is the limit. Decisions use past
-rounds only, so verification stays exact.
+rounds only, so verification stays exact. Each constant is a default of ``Settings``.
 """
 
 from __future__ import annotations
@@ -57,7 +43,7 @@ ROUND_MARGIN = 1.05  # a round must promise this x plain decoding's goodput
 HOLD_MAX = 64  # the most steps a priced plain decision is held
 ROUND_HOLD_MAX = 16  # the most steps a priced round is held
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
-CALIBRATE = 1  # 1: the engine times its passes before its first request
+CALIBRATE = 0  # 1: the engine times its passes before its first request (0: it learns in its first steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,10 +80,9 @@ class DraftLengthController:
         self.histories: deque[DraftHistory] = deque(maxlen=HISTORIES_KEPT)
         self.planned = 0  # decisions priced (the rest were held or explored)
         self._script: deque[int] = deque()  # ``follow_script``'s lengths still to draft
-        self._hold: tuple[bool, int, int, bool, int | None] | None = None  # a round?, size class, steps
-        # left, far?, and (None: not) kept over joins while no longer output than this is recorded
-        self._spans: dict[tuple[bool, int], int] = {}  # (a round?, size class) -> its last hold's span
-        self._last: tuple[bool, int] = (False, 0)  # the last priced decision: a round?, its span
+        self._hold: tuple[bool, int, int] | None = None  # a round?, size class, steps left
+        self._span: tuple[bool, int] = (False, 0)  # the last priced decision (a round?) and its span
+        self._plain_run = 0  # steps since the last round
 
     def follow_script(self, lengths: Iterable[int]) -> None:
         """Draft ``lengths`` in the next steps, one a step for every sequence (0: a plain step),
@@ -130,13 +115,14 @@ class DraftLengthController:
         """``choose`` with its ``limits`` from ``limits()``, called for every step but a held
         plain one, and its ``lengths``, ``progress`` and ``behind`` from ``state()``, called only
         for a step that is priced or explores (a held step needs neither). A step ``beside_prompts``
-        (it carries prompt chunks, whose pass its plain decoding joins) does not explore."""
+        (it carries prompt chunks, whose pass its plain decoding joins) is always priced, on plain
+        decoding's share of that pass, and neither explores nor holds."""
         if self._script:
             length = self._script.popleft()
             caps = [min(length, limit) for limit in limits()]
         elif self.fixed:
             caps = list(limits())
-        elif (held := self._held(histories)) is not None:
+        elif not beside_prompts and (held := self._held(histories)) is not None:
             caps = list(limits()) if held else [0] * len(histories)
         else:
             caps = self._caps(histories, limits(), *state(), beside_prompts)
@@ -145,33 +131,33 @@ class DraftLengthController:
         self.decisions += len(caps)
         self.zero += caps.count(0)
         self.plain_steps += not any(caps)
+        self._plain_run = 0 if any(caps) else self._plain_run + 1
         return caps
 
     def _held(self, histories: list[DraftHistory]) -> bool | None:
-        """The held decision (a round?) if this step keeps it (and counts it off), else None."""
+        """The held decision (a round?) if this step keeps it (and counts it off), else None. A
+        batch that a sequence joined, or whose size class changed, is priced afresh, its spans
+        starting again at 1."""
         if self._hold is None:
             return None
-        round_, size_class, left, far, over_joins = self._hold
-        now, joined = len(histories).bit_length(), any(h.decisions == 0 for h in histories)
-        kept = joined and over_joins is not None and now >= size_class and self.lengths.longest() <= over_joins
-        if left == 0 or (now > size_class if round_ else joined and not kept or now < size_class and not far):
+        round_, size_class, left = self._hold
+        if len(histories).bit_length() != size_class or any(h.decisions == 0 for h in histories):
+            self._hold, self._span = None, (False, 0)
             return None
-        self._hold = (round_, size_class, left - 1, far, over_joins)
-        return round_
+        self._hold = (round_, size_class, left - 1) if left else None
+        return round_ if left else None
 
-    def _hold_after(self, round_: bool, batch: int, far: bool = False, over_joins: int | None = None) -> None:
-        """Hold a priced decision (a round, or plain decoding) for twice the span of the last one of
-        its kind in this size class, or else of the last one priced (a draining batch keeps its span);
-        ``far``: the longest span at once, kept as the batch shrinks and, with ``over_joins`` (the
-        longest output recorded), as sequences join it in its size class until a longer output is
-        recorded. The other kind's spans start again."""
-        size_class, self.rounds_priced = batch.bit_length(), round_
-        longest = self.settings.round_hold_max if round_ else self.settings.hold_max
-        last = self._last[1] if self._last[0] == round_ else 0
-        span = longest if far else min(longest, 2 * self._spans.get((round_, size_class), last)) or 1
-        self._spans[(round_, size_class)], self._last = span, (round_, span)
-        self._spans.pop((not round_, size_class), None)
-        self._hold = (round_, size_class, span, far, over_joins)
+    def _priced(self, round_: bool, limits: list[int], beside_prompts: bool) -> list[int]:
+        """A priced decision's lengths. Beside no prompts it is held for twice the span of the
+        last one if pricing repeats it, else for 1 step (a step beside prompts holds nothing)."""
+        self.planned += 1
+        self.rounds_priced = round_
+        if not beside_prompts:
+            last_round, last = self._span
+            longest = self.settings.round_hold_max if round_ else self.settings.hold_max
+            span = min(longest, 2 * last) if last_round == round_ and last else 1
+            self._span, self._hold = (round_, span), (round_, len(limits).bit_length(), span)
+        return list(limits) if round_ else [0] * len(limits)
 
     def drafting_lately(self) -> bool:
         """Whether the last priced decision was a round: while it was not, a draft model's K/V of
@@ -202,34 +188,30 @@ class DraftLengthController:
     def _caps(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
               progress: list[tuple[int, int]] | None, behind: list[int] | None,
               beside_prompts: bool = False) -> list[int]:
-        batch = len(limits)
+        costs, explore, batch = self.costs, self.settings.explore, len(limits)
+        state = (histories, limits, lengths, progress, behind, beside_prompts)
+        if not beside_prompts:
+            self._hold = None
         if not any(limits):
-            self._hold = None
             return [0] * batch
-        explore, costs = self.settings.explore, self.costs
-        if costs.count("verify") < explore or self.acceptance.rounds(histories) < explore:
-            self._hold = None
-            if beside_prompts:
-                return [0] * batch
-            if costs.count("plain") and costs.count("verify") and not self._pays(
-                    histories, limits, lengths, progress, behind, sure=True):
-                self.planned += 1  # not even a draft that is always right would pay; one joining is
-                full = min(limits) == self.positions  # priced alike, unless a token limit cut these
-                self._hold_after(False, batch, far=True, over_joins=self.lengths.longest() if full else None)
-                return [0] * batch
-            return list(limits)
+        timed = costs.count("plain") and costs.count("verify")
         if not costs.count("plain"):
-            self._hold = None
-            return [0] * batch  # no pricing before a plain pass is timed
-        self.planned += 1
-        pays = self._pays(histories, limits, lengths, progress, behind)
-        self._hold_after(pays, batch)
-        return list(limits) if pays else [0] * batch
+            return [0] * batch  # a plain pass is timed first: pricing needs it
+        if costs.count("verify") < explore or self.acceptance.rounds(histories) < explore:
+            if timed and not self._pays(*state, sure=True):  # not even a draft always right pays
+                return self._priced(False, limits, beside_prompts)
+            return [0] * batch if beside_prompts else list(limits)
+        if self._plain_run >= self.settings.hold_max and not beside_prompts and self._pays(*state, sure=True):
+            return list(limits)  # a probe: plain decoding has learned nothing of acceptance
+        return self._priced(self._pays(*state), limits, beside_prompts)
 
     def _pays(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
-              progress: list[tuple[int, int]] | None, behind: list[int] | None, sure: bool = False) -> bool:
+              progress: list[tuple[int, int]] | None, behind: list[int] | None,
+              beside_prompts: bool = False, sure: bool = False) -> bool:
         """Whether a round beats plain decoding by the margin, its catch-up included, priced with
-        the batch's rates (its sequences' ``histories``) or, ``sure``, with every draft accepted;
+        the batch's rates (its sequences' ``histories``) or, ``sure``, with every draft accepted.
+        Beside prompt chunks plain decoding joins their pass, so it costs its rows, sequences and
+        context but not the pass's fixed part;
         alike sequences once, in scalar loops (numpy's per-call cost outweighs a few dozen terms)."""
         costs, batch, depth = self.costs, len(limits), max(limits)
         proposed, accepted = ([1.0] * depth,) * 2 if sure else self.acceptance.batch_rates(histories, depth)
@@ -254,13 +236,14 @@ class DraftLengthController:
                 tokens += count * a[j] * chance[j + 1]
         runs, rows, context = sum(1.0 - x for x in idle), sum(rows), float(sum(lengths))
         _, d_rows, d_seqs, d_context, _ = costs.fit("draft").theta
-        _, v_rows, v_seqs, v_context, _ = costs.fit("verify").theta
+        v_fixed, v_rows, v_seqs, v_context, v_extra = costs.fit("verify").theta
         seconds = (costs.predict("first_draft", batch, context) + costs.fixed("draft") * runs
                    + (d_rows + d_seqs) / ROW_SCALE * rows + d_context / CONTEXT_SCALE * attended
-                   + max(costs.intercept("verify") + v_rows / ROW_SCALE * (batch + rows)
+                   + max(v_fixed + v_extra + v_rows / ROW_SCALE * (batch + rows)
                          + v_seqs / ROW_SCALE * batch + v_context / CONTEXT_SCALE * (context + attended), 1e-7))
         if behind is not None and any(behind):  # the catch-up, spread over the outputs still to come
             debt = float(sum(behind))
             seconds += tokens / running * costs.predict("catch_up", debt, sum(
                 b * (size - b / 2) for b, size in zip(behind, lengths)), float(sum(map(bool, behind))))
-        return self.settings.round_margin * seconds / tokens <= costs.predict("plain", batch, context) / batch
+        plain = max(costs.predict("plain", batch, context) - beside_prompts * costs.fixed("plain"), 1e-7)
+        return self.settings.round_margin * seconds / tokens <= plain / batch

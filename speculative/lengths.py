@@ -1,24 +1,16 @@
 """How far running sequences will still go, from how long recent outputs ran.
 
-A sequence's hard limit (``max_tokens`` less what it generated) overstates what most sequences
-generate: a summary asked for at most 48 tokens ends at about 25, by its end-of-sequence token. The
-chance that a sequence which has generated ``g`` tokens is still running ``i >= 1`` tokens after
-its next one (``survival``) is a product-limit (Kaplan-Meier) estimate: for each length ``m`` from
-``g + 1`` on, the chance of going past ``m`` is one less the share of the outputs that reached
-``m`` and ended there. Two kinds of output reached ``m``: recent outputs at least ``m`` long, and
-sequences of the batch being priced that have already generated ``m`` tokens (still running, so
-none of them ended there). Counting the running ones matters where a batch's outputs differ in
-length: the first outputs to end are the short ones, and from them alone a batch of scene
-descriptions beside report summaries would look as if every scene ended when the summaries did.
+A sequence's hard limit (``max_tokens`` less what it generated) overstates what most generate: a
+summary asked for at most 48 tokens ends at about 25. The chance that a sequence which has
+generated ``g`` tokens is still running ``i >= 1`` tokens after its next one (``survival``) is a
+product-limit (Kaplan-Meier) estimate: for each length ``m`` from ``g + 1`` on, one less the share
+of the outputs that reached ``m`` and ended there. Recent outputs at least ``m`` long reached it,
+and so did the batch's sequences that have generated ``m`` (still running: none ended there), so
+scene descriptions still running beside ended report summaries are not expected to end with them.
+Past every output that reached a length, a sequence ends at the recorded outputs' rate (as many
+ends as they had over the tokens they ran). With nothing recorded the chance is 1.
 
-Past every output that reached a length, nothing says where a sequence ends; there it ends at the
-recorded outputs' rate (a constant hazard: as many ends as they had, over the tokens they ran), so
-the last of a batch of short answers is expected to end soon and a scene description still
-running after a mixed batch's summaries ended is expected to run on. With nothing recorded (a
-fresh engine) the chance is 1.
-
-Invariant: ``survival`` is 1 at ``i = 0`` and never rises with ``i``; the sorted lengths are
-rebuilt after a record, on the next estimate.
+Invariant: ``survival`` is 1 at ``i = 0`` and never rises with ``i``.
 """
 
 from __future__ import annotations
@@ -38,10 +30,6 @@ class OutputLengths:
         """A sequence finished after generating ``generated`` tokens."""
         self.recent.append(generated)
         self._sorted = None
-
-    def longest(self) -> int:
-        """The longest recent output (0: none recorded)."""
-        return max(self.recent, default=0)
 
     def survival(self, generated: list[int], positions: int) -> dict[int, list[float]]:
         """For each count in ``generated`` (the tokens each sequence of a batch has generated),

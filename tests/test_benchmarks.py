@@ -127,7 +127,8 @@ SCRIPTED_PASS_SECONDS = {
 @pytest.mark.parametrize("forced, loads", [("speculate", ("mixed",)), ("plain", ("summaries",))])
 def test_spec_bench_runs_the_bundled_pair_whatever_the_controller_decides(tmp_path, monkeypatch, forced, loads):
     """One workload of the four each: ``mixed`` (scenes, with their images, and summaries) where
-    rounds pay, ``summaries`` (what transformers also serves) where nothing is drafted. The
+    rounds pay, ``summaries`` (what transformers also serves) where nothing is drafted once the
+    controller has explored. The
     controller is told scripted pass costs (``SCRIPTED_PASS_SECONDS``), so whether its cells
     speculate is decided by the test, not by the machine's load; fixed rounds draft every step
     either way."""
@@ -153,18 +154,15 @@ def test_spec_bench_runs_the_bundled_pair_whatever_the_controller_decides(tmp_pa
     assert result["controller_vs_best_fixed_min"] == min(versus.values())
     # a pair of rounds per workload: each engine leads one
     assert result["rounds_b1"] == result["rounds_b2"] == {load: 2 for load in loads}
-    for name in ("early_exit", "draft"):  # calibrated at construction: a short job pays for it
-        assert result[f"calibration_seconds_{name}_b1"] > 0
-        assert 0 < result[f"speedup_{name}_b1_with_calibration"] < result[f"speedup_{name}_b1"]
+    for name in ("early_exit", "draft"):  # the engines learn their pass costs as they run: nothing to pay first
+        assert result[f"calibration_seconds_{name}_b1"] == 0
+        assert result[f"speedup_{name}_b1_with_calibration"] == result[f"speedup_{name}_b1"]
     if forced == "speculate":
         for name in ("early_exit", "draft"):
             assert result[f"mean_tokens_per_round_{name}_b1"] >= 1
         assert 0 < result["acceptance_rate_early_exit_mixed_b1"] <= 1
-    else:  # every step of the controller's cells decoded plainly
-        for name in ("early_exit", "draft"):
-            assert result[f"mean_tokens_per_round_{name}_b1"] == result[f"mean_tokens_per_round_{name}_b2"] == 0
-        assert all(result[f"zero_draft_fraction_{cell}"] == 1 for cell in cells)
-        assert all(result[f"acceptance_rate_{cell}"] == 0 for cell in cells)
+    else:  # the controller's cells explored (a round or two) and then decoded plainly
+        assert all(result[f"zero_draft_fraction_{cell}"] >= 0.5 for cell in cells), result
     for name in ("early_exit", "draft"):
         # not at least plain's: a round can end one sequence steps before plain decoding would,
         # freeing its blocks before the other's peak (the draft model's engine read 15 to 16)

@@ -4,6 +4,7 @@ large batch makes verification cost more than it saves, coming back when the bat
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -120,24 +121,25 @@ def test_an_always_right_draft_drafts_its_limit():
     assert summary["spec_seq_mean_draft_length_max"] > 0.8 * LIMIT
 
 
-def test_a_plain_pass_is_timed_before_the_first_priced_step():
+def test_a_plain_pass_is_timed_first():
     """Verification passes alone cannot tell their extra fixed cost from the intercept they share
-    with plain decoding: after exploring, the controller decodes one step plainly, then prices."""
+    with plain decoding: a fresh controller decodes its first step plainly, then explores, then
+    prices."""
     spec = ScriptedPair(lambda seq, pos: True, draft_ms, verify_ms)
     chosen = decode(spec, sequences(1), EXPLORE + 2, plain_ms)
-    assert chosen == [[LIMIT]] * EXPLORE + [[0], [LIMIT]], chosen
+    assert chosen == [[0]] + [[LIMIT]] * (EXPLORE + 1), chosen
     assert spec.controller.costs.count("plain") == 1 and spec.controller.planned == 1
     theta = spec.controller.costs.fit("plain").theta  # plain at 5.5 ms + 0.05 a row, verify at 5.0
     assert spec.controller.costs.predict("plain", 1, 3) == pytest.approx(plain_ms(1), rel=0.05), theta
 
 
 def test_settings_replace_the_controllers_constants():
-    """A controller on ``Settings(explore=1)`` prices after one exploring round and one plain
-    step, not after ``EXPLORE``; ``parse_settings`` (``bench spec-compare --set``) names what it cannot take."""
+    """A controller on ``Settings(explore=1)`` prices after one plain step and one exploring
+    round, not after ``EXPLORE`` rounds; ``parse_settings`` (``bench spec-compare --set``) names what it cannot take."""
     spec = ScriptedPair(lambda seq, pos: True, draft_ms, verify_ms)
     spec.controller.settings = Settings(explore=1)
     chosen = decode(spec, sequences(1), 3, plain_ms)
-    assert chosen == [[LIMIT], [0], [LIMIT]], chosen
+    assert chosen == [[0], [LIMIT], [LIMIT]] and spec.controller.planned == 1, chosen
     assert parse_settings(["explore=1", "round_margin=1.25"]) == Settings(explore=1, round_margin=1.25)
     for bad, named in ((["explores=1"], "explores=1"), (["explore=1.5"], "explore takes an integer"),
                        (["round_margin"], "round_margin")):
@@ -174,8 +176,8 @@ def test_with_its_pass_costs_known_it_explores_only_where_a_sure_draft_would_pay
     step (5 + 0.5 ms a sequence), so not even a draft that is always right pays; at batch 1 it
     does. With its pass costs timed first, as the engine calibrates (scripted lengths at batches
     1 and 32, then all but the costs forgotten), the controller decodes a fresh batch of 32
-    plainly from its first step, exploring nothing and holding that decision as long as any, and
-    explores a lone sequence at once, then prices its next round."""
+    plainly from its first step, exploring nothing, and explores a lone sequence at once, then
+    prices its next round."""
     spec = ScriptedPair(lambda seq, pos: True, lambda rows: 0.5 * rows, lambda rows: 5.0 + 0.5 * rows)
     plain = lambda rows: 5.0 + 0.5 * rows  # noqa: E731
     for batch in (1, 32):
@@ -184,8 +186,8 @@ def test_with_its_pass_costs_known_it_explores_only_where_a_sure_draft_would_pay
     spec.keep_costs_only()
     assert spec.controller.costs.count("verify") == 4 and spec.summary()["spec_rounds"] == 0
     chosen = decode(spec, sequences(32), 12, plain)
-    assert not any(any(g) for g in chosen) and spec.controller.acceptance.version == 0, chosen
-    assert spec.controller.planned == 1  # no acceptance changes that: held for HOLD_MAX steps
+    assert not any(any(g) for g in chosen) and spec.summary()["spec_rounds"] == 0, chosen
+    assert spec.controller.planned == 4  # priced at steps 1, 3, 6 and 11: held for doubling spans
     spec.controller.settings = Settings(explore=1)  # an exploring round is not held as a priced one
     assert decode(spec, sequences(1), 2, plain) == [[LIMIT], [LIMIT]]
 
@@ -201,23 +203,6 @@ def calibrated(draft_seconds: float) -> DraftLengthController:
     return controller
 
 
-def test_a_hold_where_no_round_pays_outlives_joins_unless_a_token_limit_or_a_longer_output_ends_it():
-    """Where a round whose every draft is accepted would not pay for a sequence that may draft its
-    whole ``num_tokens``, one that joins, with nothing generated, prices alike: the plain decision
-    is held over it, until an output longer than every one recorded before is recorded (requests
-    that run longer have come). One priced on a sequence near its token limit (the bench's 4-token
-    warm-up request) says nothing of the next: a join ends that hold."""
-    for limit, pricings in ((2, 2), (4, 1)):
-        controller = calibrated(0.004)  # 5 tokens for five 4 ms draft passes and a verification
-        for _ in range(2):
-            controller.lengths.record(3)
-            assert controller.choose([controller.new_history()], [limit], [10]) == [0]
-        assert controller.planned == pricings, limit
-    controller.lengths.record(9)
-    controller.choose([controller.new_history()], [4], [10])
-    assert controller.planned == 2
-
-
 def test_rounds_keep_plain_decodings_cost_current():
     """A plain pass is a verification pass with no drafts, so the two share one cost fit: a cold
     first plain step (20 ms) is corrected by the verification passes rounds time (5 ms), and a
@@ -225,8 +210,9 @@ def test_rounds_keep_plain_decodings_cost_current():
     its cold timing while rounds ran, and those rounds looked 3.6x faster than plain decoding."""
     controller = DraftLengthController(4)
     history = controller.new_history()
-    assert controller.choose([history], [3], [10]) == [3]  # nothing timed: try
+    assert controller.choose([history], [3], [10]) == [0]  # nothing timed: a plain step first
     controller.observe_pass("plain", 1, 10, 0.020)
+    assert controller.choose([history], [3], [10]) == [3]  # then explore
     for i in range(30):
         controller.observe_round(history, 1, 1, 1, False)  # one draft a round, always right
         controller.observe_pass("draft", 1, 10, 0.006)
@@ -304,34 +290,26 @@ def test_a_sequence_drafts_in_the_regime_its_sampling_parameters_name():
     assert spec._history(sampled).regime == regime(0.7, 0.9) != regime(0.7, 1.0)
 
 
-def test_plain_decisions_are_held_for_doubling_spans_per_batch_size_class():
-    """After a priced plain decision the next steps in that batch size class (1, 2-3, 4-7, ...)
-    or a larger one decode plainly without planning: 1 step, then 2, 4, 8 (so 3 of the first 8
-    steps are priced). A batch in a smaller class is priced at once; a class without a span of its
-    own (a batch drained into it) goes on from the last span priced, a class with one from its
-    own; a round starts the plain spans again at 1."""
+def test_plain_decisions_are_held_for_doubling_spans_until_the_batch_changes():
+    """After a priced plain decision the next steps decode plainly without planning: 1 step, then
+    2, 4, 8 (so 3 of the first 8 steps are priced), through sequences ending within the batch's
+    size class (1, 2-3, 4-7, ...). A batch whose class changed, or that a sequence joined, is
+    priced at once, as it is now, its spans starting again at 1; a round starts the plain spans
+    again at 1 too."""
     controller = priced(0.0024)
     h = controller.history
     for _ in range(8):
         assert controller.choose([h, h], [1, 1], [10, 10]) == [0, 0]
     assert controller.planned == 3  # held 1, 2 and 2 of 4 steps
-    controller.choose([h] * 3, [1] * 3, [10] * 3)  # 3: the class of 2
-    controller.choose([h] * 5, [1] * 5, [10] * 5)  # a larger class
+    controller.choose([h] * 3, [1] * 3, [10] * 3)  # 3: the class of 2, held
     assert controller.planned == 3
-    controller.choose([h], [1], [10])
-    assert controller.planned == 4  # a smaller class, none of its own: on from the last span, 8 steps
-    for _ in range(8):
-        controller.choose([h], [1], [10])
-    assert controller.planned == 4
-    controller.choose([h], [1], [10])
-    assert controller.planned == 5  # then 16 steps
-    joined = controller.new_history()
-    controller.choose([h, joined], [1, 1], [10, 10])  # a join ends the hold: priced
-    assert controller.planned == 6  # the class of 2 goes on from its own span of 4: held 8 steps
-    for _ in range(8):
-        controller.choose([h, joined], [1, 1], [10, 10])
+    for planned in (4, 4, 5):  # a larger class: priced, held 1 step, priced
+        controller.choose([h] * 5, [1] * 5, [10] * 5)
+        assert controller.planned == planned
+    controller.choose([h], [1], [10])  # a smaller class
     assert controller.planned == 6
-    controller.choose([h, joined], [1, 1], [10, 10])
+    controller.choose([h], [1], [10])
+    controller.choose([h, controller.new_history()], [1, 1], [10, 10])  # a join
     assert controller.planned == 7
     for _ in range(EXPLORE + 4):  # drafting becomes cheap: the smaller class is priced and drafts
         controller.observe_pass("draft", 1, 10, 0.001)
@@ -344,30 +322,20 @@ def test_plain_decisions_are_held_for_doubling_spans_per_batch_size_class():
     assert controller.planned == 10
 
 
-def test_a_plain_decision_where_not_even_a_sure_draft_pays_is_held_as_long_as_any():
-    """A batch of 32 where not even a draft that is always right would pay (0.5 ms a verification
-    row, as much as a plain step's): priced once, held ``HOLD_MAX`` steps, also once the batch has
-    shrunk to 8 (not priced again for each smaller class its sequences end into) and over new
-    sequences joining in its class (one that has generated nothing is priced from the same
-    recorded outputs: at batch 1, re-pricing every short answer as it joined cost about 3 % of
-    the decoding steps; a lone sequence joining after it is priced at once, the test above); a round
-    at 0.9x of plain decoding is held for doubling spans, 1 step, then 2, 4 ..."""
-    spec = ScriptedPair(lambda seq, pos: True, lambda rows: 0.5 * rows, lambda rows: 5.0 + 0.5 * rows)
-    plain = lambda rows: 5.0 + 0.5 * rows  # noqa: E731
-    spec.controller.follow_script([0, 1, 0, 3])
-    decode(spec, sequences(32), 4, plain)
-    spec.keep_costs_only()
-    seqs = sequences(32)
-    assert not any(map(any, decode(spec, seqs, HOLD_MAX // 2, plain)))
-    assert not any(map(any, decode(spec, seqs[:8], HOLD_MAX // 4, plain)))
-    assert not any(map(any, decode(spec, sequences(32), HOLD_MAX // 4, plain)))  # 32 joined
-    assert spec.controller.planned == 1
-    decode(spec, sequences(32), 2, plain)  # spent: priced again
-    assert spec.controller.planned == 2
-    controller = priced(0.003)
+def test_after_hold_max_plain_steps_a_round_probes_acceptance_where_a_sure_draft_would_pay():
+    """Plain decoding learns nothing of acceptance: after ``HOLD_MAX`` plain steps one round is
+    taken (every sequence at its limit), and the count starts again. Where not even a draft that
+    is always right would pay (a draft pass dearer than a plain step), none is."""
+    controller = priced(0.001)  # cheap drafts, but all rejected lately
     h = controller.history
-    assert all(controller.choose([h], [1], [10]) == [0] for _ in range(HOLD_MAX + 1))
-    assert controller.planned == 6  # at steps 1, 3, 6, 11, 20 and 37
+    for _ in range(60):
+        controller.observe_round(h, 1, 1, 0, False)
+    chosen = [controller.choose([h], [1], [10]) for _ in range(3 * HOLD_MAX)]
+    probes = [i for i, caps in enumerate(chosen) if caps == [1]]
+    assert len(probes) == 2 and probes[0] >= HOLD_MAX and probes[1] - probes[0] > HOLD_MAX, probes
+    controller = priced(0.006)
+    chosen = [controller.choose([controller.history], [1], [10]) for _ in range(3 * HOLD_MAX)]
+    assert chosen == [[0]] * (3 * HOLD_MAX)
 
 
 def test_a_held_step_does_not_read_the_sequences_state():
@@ -403,37 +371,58 @@ def test_a_sequence_joining_the_batch_ends_a_plain_hold():
     assert controller.planned == 4
 
 
-def test_the_rounds_of_a_draining_batch_leave_the_full_batchs_hold_alone():
-    """Batch 32 decodes plainly (rows cost too much) and, drained to one sequence, drafts (the
-    pass's fixed cost dominates). Back at 32, the batch is priced once and then held for
-    ``HOLD_MAX`` steps: the rounds in the class of 1 did not start the class of 32's span again,
-    so a server whose batches drain and refill does not plan a full batch's steps over and over."""
-    spec = ScriptedPair(lambda seq, pos: pos % 8 != 0, lambda rows: 0.5 + 0.05 * rows,
-                        lambda rows: 5.0 + 0.5 * rows)
-    cost = lambda rows: 5.0 + 0.5 * rows  # noqa: E731
-    seqs = sequences(32)
-    decode(spec, seqs, 2 * HOLD_MAX, cost)
-    assert any(g[0] for g in decode(spec, seqs[:1], 20, cost))
-    planned = spec.controller.planned
-    assert all(not any(g) for g in decode(spec, seqs, HOLD_MAX + 1, cost))
-    assert spec.controller.planned == planned + 1
-
-
-def test_rounds_are_held_for_doubling_spans_until_the_batch_grows_into_a_larger_class():
+def test_rounds_are_held_for_doubling_spans_until_a_sequence_joins_or_the_batch_changes_class():
     """After a priced round the next steps draft without planning: 1 round, then 2, 4, 8, 16, 16
-    ... (``ROUND_HOLD_MAX``), through sequences ending and joining (a joining sequence drafts its
-    limit too; its tokens all lie ahead, which only adds to what a round gains), until the batch
-    grows into a larger size class (a round pays less the more rows verification carries)."""
+    ... (``ROUND_HOLD_MAX``), through sequences ending within the batch's size class, until a
+    sequence joins or the class changes: then the batch is priced as it is now."""
     controller = priced(0.002)  # drafting pays
     h, other = controller.history, controller.new_history()
     assert [controller.choose([h, h], [1, 1], [10, 10]) for _ in range(40)] == [[1, 1]] * 40
     assert controller.planned == 6  # priced at steps 1, 3, 6, 11, 20 and 37 (held 3 of 16 since)
-    assert controller.choose([h, other], [1, 0], [10, 10]) == [1, 0]  # held, its limits
-    assert controller.choose([h], [1], [10]) == [1] and controller.planned == 6
-    for _ in range(60):  # drafting costs more: the batch grown into the class of 4 is priced
-        controller.observe_pass("draft", 1, 10, 0.003)
-        controller.costs.fit("draft").theta
-    assert controller.choose([h] * 4, [1] * 4, [10] * 4) == [0] * 4 and controller.planned == 7
+    assert controller.choose([h, h, h], [1, 1, 0], [10] * 3) == [1, 1, 0]  # held, its limits
+    assert controller.planned == 6
+    assert controller.choose([h, other], [1, 1], [10, 10]) == [1, 1] and controller.planned == 7
+    controller.choose([h], [1], [10])
+    assert controller.planned == 8
+
+
+def test_an_arrival_reprices_the_batch():
+    """Rows are dear (a pass costs 5 ms and 3 ms a row, verification and plain decoding alike; a
+    draft pass 0.5 ms) and one-draft rounds are accepted nine times in ten: a round pays for 4
+    sequences (1.08x) and not for 7 (1.03x, short of the margin). Four sequences draft, held;
+    three arrive (the batch stays in its size class), and the very next step, priced on the
+    batch as it now is, decodes plainly."""
+    controller = DraftLengthController(1)
+    for batch in (1, 2, 4, 8):
+        for _ in range(3):
+            controller.observe_pass("plain", batch, 10 * batch, 0.005 + 0.003 * batch)
+            controller.observe_pass("verify", 2 * batch, 20 * batch, 0.005 + 0.006 * batch, batch)
+            controller.observe_pass("first_draft", batch, 10 * batch, 0.0005)
+            controller.observe_pass("draft", batch, 10 * batch, 0.0005)
+    earlier = controller.new_history()
+    for i in range(100):
+        controller.observe_round(earlier, 1, 1, int(i % 10 != 0), False)
+    four = [controller.new_history() for _ in range(4)]
+    assert [controller.choose(four, [1] * 4, [10] * 4) for _ in range(4)] == [[1] * 4] * 4
+    planned, three = controller.planned, [controller.new_history() for _ in range(3)]
+    assert controller.choose(four + three, [1] * 7, [10] * 7) == [0] * 7
+    assert controller.planned == planned + 1
+
+
+def test_speculation_stops_within_a_few_steps_of_its_drafts_going_wrong_and_returns_when_they_recover():
+    """Four sequences whose drafts are always right draft their limit. Four new ones come whose
+    drafts are always wrong: within 4 steps the controller decodes plainly. Their drafts turn
+    right again: the probes after ``HOLD_MAX`` plain steps see it, and within three of them the
+    batch drafts again."""
+    good = {"right": True}
+    spec = ScriptedPair(lambda seq, pos: good["right"], draft_ms, verify_ms)
+    assert all(g == [LIMIT] * 4 for g in decode(spec, sequences(4), 30, plain_ms)[-10:])
+    good["right"], seqs = False, sequences(4)
+    chosen = decode(spec, seqs, 4 + HOLD_MAX // 2, plain_ms)
+    assert not any(map(any, chosen[4:])), chosen
+    good["right"] = True
+    chosen = decode(spec, seqs, 3 * HOLD_MAX + 10, plain_ms)
+    assert all(g == [LIMIT] * 4 for g in chosen[-10:]), chosen
 
 
 def test_a_step_where_no_sequence_may_draft_starts_no_hold():
@@ -455,6 +444,7 @@ def test_exploring_rounds_are_the_rounds_fixed_rounds_run_and_only_priced_rounds
     controller, fixed = DraftLengthController(4), DraftLengthController(4, fixed=True)
     histories = [controller.new_history() for _ in range(5)]
     assert not controller.drafting_lately()  # nothing ran yet: the draft waits for a round
+    controller.observe_pass("plain", 5, 50, 0.001)
     limits = [3, 0, 3, 1, 3]
     assert controller.choose(histories, limits, [10] * 5) == limits
     assert fixed.choose(histories, limits, [10] * 5) == limits
@@ -465,7 +455,6 @@ def test_exploring_rounds_are_the_rounds_fixed_rounds_run_and_only_priced_rounds
         controller.observe_pass("draft", 5, 50, 0.0001)
         controller.observe_pass("verify", 20, 50, 0.001)
     assert not controller.drafting_lately() and controller.planned == 0
-    controller.observe_pass("plain", 5, 50, 0.001)
     assert controller.choose(histories, [3] * 5, [10] * 5) == [3] * 5 and controller.drafting_lately()
     for _ in range(60):
         controller.observe_pass("draft", 1, 10, 100.0)
@@ -492,6 +481,7 @@ def test_a_step_that_carries_prompt_chunks_does_not_explore():
     last prompts were prefilled, about 5 ms a step). So such a step decodes plainly, holding
     nothing, and the next step without prompts explores."""
     controller = DraftLengthController(4)
+    controller.observe_pass("plain", 3, 30, 0.001)
     histories = [controller.new_history() for _ in range(3)]
     limits, state = lambda: [3] * 3, lambda: ([10] * 3, None, None)
     assert controller.decide(histories, limits, state, beside_prompts=True) == [0] * 3
@@ -760,19 +750,28 @@ def test_linear_fit_is_the_least_squares_fit_whose_slopes_are_not_negative(passe
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 800), st.integers(1, 64), st.integers(0, 40_000),
                           st.booleans(), st.floats(1e-4, 5e-2)), min_size=1, max_size=40))
-def test_trying_every_set_of_slopes_finds_the_active_sets_fit(passes):
-    """The fallback for active sets that cycle: the best feasible fit over every set of free
-    slopes is the same optimum."""
-    fits = [LinearFit(), LinearFit()]
-    for fit in fits:
-        for rows, sequences, context, extra, seconds in passes:
-            fit.observe(rows, context, seconds, sequences, extra)
-    active = fits[0].theta
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cost_model, "ACTIVE_SET_STEPS", 0)
-        every = fits[1].theta
-    assert min(every[1:]) >= 0.0
-    assert fits[1].objective(every) == pytest.approx(fits[0].objective(active), rel=1e-9, abs=1e-15)
+def test_the_fit_is_the_best_over_every_set_of_free_slopes(passes):
+    """Against trying every set of free slopes (the others held at 0): the best feasible one of
+    those 16 ridge solves is the constrained optimum, and the active set finds it."""
+    fit = LinearFit()
+    for rows, sequences, context, extra, seconds in passes:
+        fit.observe(rows, context, seconds, sequences, extra)
+    gram, moment = fit.folded()
+    a = gram + fit.ridge * np.eye(len(moment))
+
+    def objective(t):
+        return t @ a @ t - 2.0 * t @ moment
+
+    best = None
+    for mask in range(16):
+        free = [0, *(i for i in range(1, 5) if mask >> (i - 1) & 1)]
+        t = np.zeros(5)
+        t[free] = np.linalg.solve(a[np.ix_(free, free)], moment[free])
+        if min(t[1:]) >= 0.0 and (best is None or objective(t) < objective(best)):
+            best = t
+    theta = np.array(fit.theta)
+    assert min(theta[1:]) >= 0.0
+    assert objective(theta) == pytest.approx(objective(best), rel=1e-9, abs=1e-15)
 
 
 def test_a_long_verification_is_priced_from_plain_steps_by_its_rows_and_sequences():

@@ -279,7 +279,9 @@ def test_calibration_leaves_nothing_behind_but_the_pass_costs(model_dirs, tmp_pa
     outs = [eng.generate(batch, GREEDY) for eng in (calibrated, fresh)]
     assert [o.request_id for o in outs[0]] == [o.request_id for o in outs[1]] == [0, 1, 2]
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
-    assert traces(calibrated) == traces(fresh)
+    served = [{k: v for k, v in traces(eng).items() if not k.startswith("peak_")}  # the rounds each
+              for eng in (calibrated, fresh)]  # chose reserved their own slots at the peak
+    assert served[0] == served[1]
 
 
 @pytest.mark.parametrize("method", ["draft_model", "early_exit"])
@@ -539,7 +541,9 @@ def test_a_draft_model_tells_the_controller_how_far_behind_each_sequence_is(mode
     [prompt] = prompts(82, [13])
     [out] = eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
     assert seen[0] == [(len(prompt), (1, 7))]
-    assert ("catch_up", len(prompt)) in passes  # the catch-up is timed over its rows, as its own kind
+    # the first step decodes plainly (timing a plain pass first); the catch-up is timed over its
+    # rows, that step's token too, as its own kind
+    assert ("catch_up", len(prompt) + 1) in passes
     assert any(kind == "verify" for kind, _ in passes)  # timed once the engine applied the verdicts
     assert eng.stats()["spec_rounds"] > 0 and any(b[0][0] == 0 for b in seen[1:])
     assert not controller.lengths.recent  # cut short at its limit: not where an output ends
