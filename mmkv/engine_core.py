@@ -209,6 +209,8 @@ class EngineCore:
         none when the only work left waits for images being encoded (the step waited a little
         for them instead)."""
         start = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.step_started()
         batch = self.scheduler.schedule()
         if not (batch.seqs or batch.drafting or batch.failed):
             return []  # only images encoding: nothing to compute yet

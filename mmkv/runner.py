@@ -113,6 +113,8 @@ class ModelRunner:
             if decoding:
                 self._threads_pass = (count, len(batch.seqs), threads.clock())
         if batch.seqs:
+            if batch.drafting and self.speculator is not None:
+                self.speculator.step_start()  # the step's scheduling goes with its other pass
             self._timed_plain(batch.seqs, batch.q_lens, result, not batch.drafting)
         if batch.drafting:
             self._run_round(batch.drafting, batch.draft_lengths, result)
@@ -136,13 +138,13 @@ class ModelRunner:
 
     def _timed_plain(self, seqs: list[Sequence], q_lens: list[int], result: StepResult,
                      alone: bool) -> None:
-        """``_run_plain``; a pure decoding pass is timed for the speculation controller, through
-        postprocessing when it is the step's only pass."""
+        """``_run_plain``; a pure decoding pass is timed for the speculation controller, from the
+        step's start (its scheduling) through postprocessing when it is the step's only pass."""
         if self.speculator is None or any(q != 1 for q in q_lens):
             self._run_plain(seqs, q_lens, result)
             return
         context = sum(len(s.token_ids) for s in seqs)
-        start = self.speculator.started()
+        start = self.speculator.step_start() if alone else self.speculator.started()
         self._run_plain(seqs, q_lens, result)
         if alone:
             self._plain_pass = (len(seqs), context, start)

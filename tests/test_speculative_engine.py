@@ -2,6 +2,7 @@
 drafts in cached blocks, and no blocks of its own (sampling: test_sampling_distribution.py)."""
 
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -549,3 +550,26 @@ def test_a_draft_model_tells_the_controller_how_far_behind_each_sequence_is(mode
     assert not controller.lengths.recent  # cut short at its limit: not where an output ends
     eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[out.token_ids[2]]))
     assert list(controller.lengths.recent) == [out.token_ids.index(out.token_ids[2]) + 1]
+
+
+@pytest.mark.parametrize("method", ["early_exit", "draft_model"])
+def test_a_steps_scheduling_is_timed_with_its_first_pass(model_dirs, tmp_path, monkeypatch, method):
+    """Scheduling a step (a round's slot reservations, the controller's own pricing) is part of
+    what the step costs: 20 ms spent scheduling every step show in every plain step's timing and
+    in every round's first draft pass (a draft model's catch-up, timed as its own kind, left
+    out), and in no other pass."""
+    if method == "early_exit":
+        eng = spec_engine(model_dirs["llama"])
+    else:
+        eng = draft_engine(model_dirs["llama"], build_model("llama", tmp_path / "draft", seed=3,
+                                                            num_hidden_layers=1))
+    schedule = type(eng.scheduler).schedule
+    monkeypatch.setattr(type(eng.scheduler), "schedule", lambda self: (time.sleep(0.02), schedule(self))[1])
+    controller, passes = eng.speculator.controller, []
+    observe = controller.observe_pass
+    monkeypatch.setattr(controller, "observe_pass", lambda kind, rows, context, seconds, sequences=None: (
+        passes.append((kind, seconds)), observe(kind, rows, context, seconds, sequences)))
+    eng.generate(prompts(83, [9, 14]), SamplingParams(max_tokens=12, ignore_eos=True))
+    assert {"plain", "first_draft", "draft", "verify"} <= {kind for kind, _ in passes}, passes
+    assert all(s >= 0.02 for kind, s in passes if kind in ("plain", "first_draft")), passes
+    assert all(s < 0.02 for kind, s in passes if kind not in ("plain", "first_draft")), passes
