@@ -114,7 +114,7 @@ class ModelRunner:
                 self._threads_pass = (count, len(batch.seqs), threads.clock())
         if batch.seqs:
             if batch.drafting and self.speculator is not None:
-                self.speculator.step_start()  # the step's scheduling goes with its other pass
+                self.speculator.step_start()  # the step's scheduling goes with its plain pass
             self._timed_plain(batch.seqs, batch.q_lens, result, not batch.drafting)
         if batch.drafting:
             self._run_round(batch.drafting, batch.draft_lengths, result)

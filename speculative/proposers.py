@@ -102,7 +102,6 @@ class Speculator(ABC):
         self._proposal: Proposal | None = None  # ``propose_with``'s stand-in for the draft's tokens
         self._verification: tuple[int, int, tuple[float, int], int] | None = None  # to time
         self._step: tuple[float, int] | None = None  # when the engine's step began (``step_started``)
-        self._caught_up = 0.0  # seconds of this round's catch-up pass (timed as its own kind)
 
     def keep_costs_only(self) -> None:
         """Forget everything learned and counted but the pass costs (after the engine's
@@ -173,15 +172,15 @@ class Speculator(ABC):
 
     def step_started(self) -> None:
         """The engine's step starts now: its scheduling (a round's slot reservations, the
-        controller's own pricing) is part of what the step's first pass costs, so a plain step
-        alone and a round's first draft pass are timed from here (``step_start``)."""
-        self._step, self._caught_up = self.started(), 0.0
+        controller's own pricing) is part of what the step's target pass costs, so a plain step
+        alone is timed from here, and a round's verification with the seconds from here to the
+        round's start added (``step_start``)."""
+        self._step = self.started()
 
     def step_start(self) -> tuple[float, int]:
-        """When the step began (``step_started``; the pass's own start where no step told it),
-        and what a round's catch-up took since then left out."""
+        """When the step began (``step_started``; now, where no step told it)."""
         step, self._step = self._step, None
-        return self.started() if step is None else (step[0] + self._caught_up, step[1])
+        return self.started() if step is None else step
 
     def observe(self, kind: str, rows: int, context: int, started: tuple[float, int],
                 sequences: int | None = None) -> None:
@@ -207,7 +206,8 @@ class Speculator(ABC):
         sampled one's is verified as drawn (left out, the sequence would end less often than the
         target's chance). Every pass is timed for the controller, the verification up to
         ``round_applied``."""
-        controller, self._verification, self._caught_up = self.controller, None, 0.0
+        controller, self._verification = self.controller, None
+        scheduled = self.controller.clock() - self.step_start()[0]  # the step's scheduling
         lens = [len(s.token_ids) for s in seqs]
         chosen, gammas = list(gammas), list(gammas)
         inputs = [s.token_ids[-1] for s in seqs]
@@ -221,7 +221,7 @@ class Speculator(ABC):
             live = [b for b in drafting_seqs if i <= gammas[b]]
             if not live:  # every sequence stopped drafting early
                 break
-            start = self.started() if i else self.step_start()
+            start = self.started()
             drafting = [r for r, b in enumerate(live) if i < gammas[b]]
             logits = self._draft_pass([seqs[b] for b in live], [inputs[b] for b in live],
                                       [lens[b] + i for b in live], drafting, live)
@@ -265,7 +265,7 @@ class Speculator(ABC):
                 qs = torch.stack(q).cpu() if q else p[:0]
                 verdicts.append(verify_sampling(d, qs, p, seq.generator))
         self._verification = (row, sum((g + 1) * n + g * (g + 1) // 2 for n, g in zip(lens, gammas)),
-                              start, len(seqs))
+                              (start[0] - scheduled, start[1]), len(seqs))
         for seq, n, c, d, v, u in zip(seqs, lens, chosen, drafts, verdicts, unsure):
             controller.observe_round(self._history(seq), c, len(d), v.accepted, u)
             if c or self.every_sequence_drafts:
@@ -426,7 +426,6 @@ class DraftModelSpeculator(Speculator):
         self._forward_draft(ids, step)
         attended = sum(e * (e + 1) - v * (v + 1) for _, v, e in behind) // 2
         self.observe("catch_up", ids.shape[0], attended, start, len(behind))
-        self._caught_up += self.controller.clock() - start[0]
         for seq, valid, end in behind:
             self._drafted_through(seq, valid, end)
 
