@@ -190,15 +190,12 @@ class DraftLengthController:
               beside_prompts: bool = False) -> list[int]:
         costs, explore, batch = self.costs, self.settings.explore, len(limits)
         state = (histories, limits, lengths, progress, behind, beside_prompts)
-        if not beside_prompts:
-            self._hold = None
         if not any(limits):
             return [0] * batch
-        timed = costs.count("plain") and costs.count("verify")
         if not costs.count("plain"):
             return [0] * batch  # a plain pass is timed first: pricing needs it
         if costs.count("verify") < explore or self.acceptance.rounds(histories) < explore:
-            if timed and not self._pays(*state, sure=True):  # not even a draft always right pays
+            if costs.count("verify") and not self._pays(*state, sure=True):  # not even a sure draft pays
                 return self._priced(False, limits, beside_prompts)
             return [0] * batch if beside_prompts else list(limits)
         if self._plain_run >= self.settings.hold_max and not beside_prompts and self._pays(*state, sure=True):
@@ -211,8 +208,8 @@ class DraftLengthController:
         """Whether a round beats plain decoding by the margin, its catch-up included, priced with
         the batch's rates (its sequences' ``histories``) or, ``sure``, with every draft accepted.
         Beside prompt chunks plain decoding joins their pass, so it costs its rows, sequences and
-        context but not the pass's fixed part;
-        alike sequences once, in scalar loops (numpy's per-call cost outweighs a few dozen terms)."""
+        context but not the pass's fixed part. Alike sequences are priced once, in scalar loops
+        (numpy's per-call cost outweighs a few dozen terms)."""
         costs, batch, depth = self.costs, len(limits), max(limits)
         proposed, accepted = ([1.0] * depth,) * 2 if sure else self.acceptance.batch_rates(histories, depth)
         d, a = list(accumulate(proposed, mul)), list(accumulate(map(mul, proposed, accepted), mul))
