@@ -147,7 +147,8 @@ class Postprocessor:
                 seq.stop_text = IncrementalText(self.decode, start=seq.prompt_len)
             seen = len(seq.stop_text.text)
             text = seq.stop_text.current(seq.token_ids)
-            hits = [i for i in (text.find(s, max(0, seen - len(s) + 1)) for s in p.stop) if i >= 0]
+            hits = [i for i in (text.find(s, max(0, seen - len(s) + 1)) for s in p.stop)
+                    if i >= 0 and seq.num_generated > p.min_tokens]  # none within the first min_tokens
             if hits:
                 seq.text = text[: min(hits)]
                 return "stop"

@@ -29,7 +29,7 @@ from mmkv.outputs import TokenLogprob
 from mmkv.sampler import sample, token_logprob
 from mmkv.scheduler import ScheduledBatch
 from mmkv.sequence import Sequence
-from mmkv import structured
+from mmkv import penalties, structured
 from mmkv.step_context import AttentionBackend, StepContext
 from speculative.config import SpeculativeConfig
 from speculative.proposers import DraftModelSpeculator, EarlyExitSpeculator, Speculator
@@ -171,8 +171,9 @@ class ModelRunner:
                 self._run_plain([seqs[i] for i in rows], [q_lens[i] for i in rows], result)
             return
         result.computed.extend(zip(seqs, q_lens))
-        if constrained:  # logit biases and grammar masks, every constrained row at once
+        if constrained:  # penalties, logit biases and grammar masks, every constrained row at once
             with torch.inference_mode():  # the logits are the forward's inference tensor
+                penalties.adjust_rows(logits, constrained, [chosen[row] for row in constrained])
                 structured.apply_masks(logits, constrained, [chosen[row].constraint for row in constrained],
                                        [chosen[row].params.logit_bias for row in constrained])
         greedy = _greedy_tokens(chosen, logits)

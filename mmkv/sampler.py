@@ -1,4 +1,4 @@
-"""Next-token choice from logits: greedy, or temperature / top-k / top-p sampling.
+"""Next-token choice from logits: greedy, or temperature / top-k / top-p / min-p sampling.
 
 Each sampled sequence draws from its own ``torch.Generator``, so a seeded request gets the same
 tokens whatever else shares its batch.
@@ -53,6 +53,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)  # keep the nucleus
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum()
+    if params.min_p:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
         probs = probs / probs.sum()
     return probs
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # most alternatives a token's logprobs can list (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0  # the largest bias magnitude (OpenAI's limit)
+MAX_PENALTY = 2.0  # the largest frequency or presence penalty magnitude (OpenAI's limit)
 STRUCTURED_KINDS = ("json_schema", "json_object", "choice", "regex", "grammar")  # StructuredOutput's fields
 
 
@@ -70,6 +71,11 @@ class SamplingParams:
     ``structured``: a ``StructuredOutput`` the output must match (``mmkv.structured``).
     ``logit_bias``: token id -> a value in [-100, 100] added
     to that token's logit before any sampling filter (and before the structured output's mask).
+    ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], OpenAI's) over the output so far,
+    ``repetition_penalty`` (> 0, transformers' rule) over the prompt and the output, and
+    ``min_tokens`` (no stop token, nor stop string, ends the output before that many tokens) adjust
+    the logits before the bias (``mmkv.penalties``). ``min_p`` in [0, 1): after temperature, top-k and top-p, drop the
+    tokens less likely than ``min_p`` times the most likely one.
     """
 
     max_tokens: int = 16
@@ -85,6 +91,11 @@ class SamplingParams:
     logprobs: int | None = None
     structured: StructuredOutput | None = None
     logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,11 +133,29 @@ class SamplingParams:
                     raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
                                      f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token}")
             self.logit_bias = dict(self.logit_bias) or None
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a penalty or ``min_tokens`` adjusts the logits (``mmkv.penalties``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens)
 
     @property
     def constrained(self) -> bool:
-        """Whether the logits are changed before sampling (a structured output or a logit bias)."""
-        return self.structured is not None or self.logit_bias is not None
+        """Whether the logits are changed before sampling (a structured output, a logit bias, a
+        penalty or ``min_tokens``)."""
+        return self.structured is not None or self.logit_bias is not None or self.penalised
 
     @property
     def greedy(self) -> bool:

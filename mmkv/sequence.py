@@ -40,6 +40,15 @@ class SeqImage:
         return self.placement.xattn_tokens == 0
 
 
+@dataclass(slots=True)
+class TokenCounts:
+    """What a sequence's penalties count (``mmkv.penalties.counts`` brings it up to date)."""
+
+    counted: int = 0  # the sequence's tokens counted so far (its tokens only ever grow)
+    seen: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # distinct, sorted
+    output: dict[int, int] = field(default_factory=dict)  # output token -> times generated
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """Tokens so far (prompt then output) and how many of them have KV in ``table``.
@@ -81,6 +90,7 @@ class Sequence:
     # the speculator's own record of this sequence (the runner's proposers keep them)
     drafting: DraftHistory | None = None  # its drafts' acceptance
     draft_valid: int | None = None  # a draft model's K/V is current below this (None: ask the cache)
+    penalty_counts: TokenCounts | None = None  # what its penalties count (``mmkv.penalties``)
     _array: np.ndarray = field(default=None, repr=False)
 
     @property

@@ -44,6 +44,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -52,6 +53,7 @@ from cache import KVCache
 from mmkv.attention.metadata import next_position
 from mmkv.host_arrays import longs
 from mmkv.models.packed_linear import kernel_builds
+from mmkv.penalties import adjust_draft_rows
 from mmkv.sampler import filtered_probs, top_tokens
 from mmkv.structured import apply_draft_masks
 from mmkv.step_context import StepContext
@@ -248,11 +250,11 @@ class Speculator(ABC):
                          start)
         start = self.started()
         logits = self._verify_logits(seqs, gammas, drafts, lens)
-        row = 0
-        for seq, g, d in zip(seqs, gammas, drafts):  # structured outputs and logit biases
+        starts = [0, *accumulate(g + 1 for g in gammas)][:-1]
+        adjust_draft_rows(logits, starts, seqs, drafts)  # penalties, then logit biases and structured outputs
+        for seq, first, d in zip(seqs, starts, drafts):
             if seq.params.constrained:
-                apply_draft_masks(logits, row, seq.constraint, seq.params.logit_bias, d)
-            row += g + 1
+                apply_draft_masks(logits, first, seq.constraint, seq.params.logit_bias, d)
         best = top_tokens(logits)[0]  # the greedy sequences' verdicts read one argmax
         verdicts, row = [], 0
         for seq, g, d, q in zip(seqs, gammas, drafts, draft_probs):

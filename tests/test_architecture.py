@@ -17,7 +17,7 @@ MAY_IMPORT = {
     "cache": set(),
     "vision": set(),
     "speculative": {"cache", "mmkv.step_context", "mmkv.attention.metadata", "mmkv.host_arrays",
-                    "mmkv.sampler", "mmkv.structured", "mmkv.models.packed_linear", "mmkv.models",
+                    "mmkv.sampler", "mmkv.structured", "mmkv.penalties", "mmkv.models.packed_linear", "mmkv.models",
                     "mmkv.sequence"},
 }
 

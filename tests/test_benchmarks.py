@@ -599,3 +599,12 @@ def test_structured_bench_reports_the_schemas_cost_and_that_every_output_validat
         assert result[field] > 0, field
 
 
+
+
+def test_penalties_bench_reports_their_cost_and_that_they_ran():
+    result = bench("penalties", "--requests", "3", "--batch1-requests", "1", "--repeats", "1",
+                   "--max-tokens", "96")  # the bundled model repeats itself (and is penalised) past its answer
+    assert result["penalised_outputs_differ"] is True
+    for label in ("b1", "b32"):
+        ratio = result[f"penalised_tokens_per_s_{label}"] / result[f"free_tokens_per_s_{label}"]
+        assert result[f"penalised_vs_free_tokens_per_s_{label}"] == pytest.approx(ratio, abs=2e-3)

@@ -282,6 +282,61 @@ def test_structured_output_as_the_openai_client_asks_for_it(served, offline):
     assert biased.choices[0].text == "qqq"
 
 
+def test_penalties_min_p_and_min_tokens_are_the_engines(served, offline):
+    """OpenAI's penalties through the ``openai`` client, vLLM's ``repetition_penalty``,
+    ``min_tokens`` and ``min_p`` as extra fields, and llama-server's ``repeat_penalty`` over the
+    whole context, on chat and completions: each answer equals the offline engine's with the
+    same ``SamplingParams``, and a penalty's differs from the unpenalised one (run past the end
+    with ``ignore_eos``: the bundled model's short answers repeat nothing to penalise)."""
+    _, [report] = scenes_and_reports(5, 0, 1)
+    api, prompt = client(served), report_prompt(report, REPORT_QUESTIONS[0])
+    messages = [{"role": "user", "content": "tell me a story."}]
+    chat_prompt = offline.render_chat(messages)
+
+    def offline_text(prompt, ignore_eos=True, **params):
+        return offline.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=ignore_eos, **params))[0].outputs[0].text
+
+    chat = api.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=40, temperature=0,
+                                       frequency_penalty=2.0, presence_penalty=1.0, extra_body={"ignore_eos": True})
+    text = chat.choices[0].message.content
+    assert text == offline_text(chat_prompt, frequency_penalty=2.0, presence_penalty=1.0) != offline_text(chat_prompt)
+    for extra, params in [({"repetition_penalty": 2.0}, dict(repetition_penalty=2.0)),
+                          ({"repeat_penalty": 2.0, "repeat_last_n": -1}, dict(repetition_penalty=2.0)),
+                          ({"min_tokens": 30, "ignore_eos": False}, dict(min_tokens=30, ignore_eos=False))]:
+        text = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                      extra_body={"ignore_eos": True, **extra}).choices[0].text
+        assert text == offline_text(prompt, **params) != offline_text(prompt, ignore_eos=params.get("ignore_eos", True)), extra
+    sampled = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=1.0, seed=4,
+                                     extra_body={"min_p": 0.3}).choices[0].text
+    assert sampled == offline.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=4, min_p=0.3))[
+        0].outputs[0].text
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be <= max_tokens (10), got 20"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repeat_penalty": 1.1}, "repeat_penalty is applied over the whole context only: send repeat_last_n: -1"),
+    ({"repeat_penalty": 1.1, "repeat_last_n": -1, "repetition_penalty": 1.2}, "repeat_penalty and repetition_penalty differ"),
+    ({"typical_p": 0.9}, "typical_p is not supported; allowed: 1 or 1.0"),
+    ({"bad_words": ["x"]}, "bad_words is not supported; allowed: null or []"),
+    ({"use_beam_search": True}, "use_beam_search is not supported; allowed: false"),
+    ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens is not supported; allowed: null"),
+    ({"mirostat": 2}, "mirostat is not supported; allowed: 0"),
+    ({"dry_multiplier": 0.8}, "dry_multiplier is not supported"),
+])
+def test_a_sampling_field_mmkv_does_not_honour_is_a_400_naming_it(served, body, message):
+    """No field that vLLM or llama-server define for sampling is silently ignored; their values
+    that change nothing pass."""
+    r = post(served, "/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, **body})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] in body
+    neutral = {"typical_p": 1.0, "bad_words": [], "use_beam_search": False, "mirostat": 0, "skip_special_tokens": True}
+    ok = post(served, "/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, **neutral})
+    assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize("body, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs json_schema.schema"),
     ({"response_format": {"type": "xml"}}, "response_format type must be text, json_object or json_schema"),
@@ -337,8 +392,8 @@ def image_chat(url: str) -> dict:
      400, "max_tokens"),
     (CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "temperature": 3},
      400, "temperature"),
-    (CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1},
-     400, "presence_penalty is not supported"),
+    (CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 3},
+     400, "presence_penalty"),
     (CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "n": 99}, 400, "n"),
     (CHAT, {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, 404, "does not exist"),
     (CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": "word " * 2000}]}, 400,

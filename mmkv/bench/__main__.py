@@ -18,7 +18,7 @@ BENCHMARKS = {"cache": "cache_bench", "prefix": "prefix_bench", "image-qa": "ima
               "spec": "spec_bench", "spec-compare": "spec_compare", "cross": "cross_bench",
               "serve": "serve_bench", "gpu": "gpu_bench", "distributed": "distributed_bench",
               "preemption": "preemption_bench", "kv-dtype": "kv_dtype_bench",
-              "structured": "structured_bench", "weights": "weights_bench"}
+              "structured": "structured_bench", "weights": "weights_bench", "penalties": "penalties_bench"}
 CHECKS = {"outputs_equal": "outputs differ between mmkv and its peer",  # a benchmark failing one exits 1
           "outputs_near_greedy": "outputs differ between mmkv and its peer",
           "all_outputs_valid": "an output breaks its constraint"}

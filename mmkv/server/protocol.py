@@ -1,10 +1,11 @@
 """OpenAI request bodies as the server accepts them, and OpenAI's error body.
 
-Unknown fields are ignored (clients send many); fields whose non-default value mmkv cannot honour
-(frequency and presence penalties, tools, echo, suffix, a ``best_of`` other than ``n``) are refused
-with a 400 naming the field, rather than silently ignored. ``logit_bias`` (token ids as keys) and
-structured output (``response_format`` ``json_object`` or ``json_schema``) are honoured. Extra
-fields beyond OpenAI's: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``priority``,
+Unknown fields are ignored (clients send many), except the sampling fields vLLM or llama-server
+define that mmkv does not honour (``UNHONOURED``): a value of one that would change the output is
+refused with a 400 naming the field, as are tools, echo, suffix and a ``best_of`` other than ``n``.
+Nothing that changes sampling is silently ignored. Honoured beyond OpenAI's fields: ``top_k``,
+``min_p``, ``min_tokens``, ``repetition_penalty`` (and llama-server's ``repeat_penalty`` over the
+whole context, ``repeat_last_n: -1``), ``ignore_eos``, ``stop_token_ids``, ``priority``,
 ``cache_salt``, and vLLM's ``structured_outputs`` (choice, regex, json, grammar) and ``guided_*``.
 """
 
@@ -73,8 +74,23 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+# sampling fields of vLLM and llama-server that mmkv does not honour -> the values that change nothing
+UNHONOURED: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (None,), "allowed_token_ids": (None, []), "bad_words": (None, []),
+    "logits_processors": (None, []), "prompt_logprobs": (None,), "return_tokens_as_token_ids": (False,),
+    "typical_p": (1, 1.0), "tfs_z": (1, 1.0), "penalize_nl": (False,),
+    "dry_multiplier": (0, 0.0), "xtc_probability": (0, 0.0), "mirostat": (0,), "top_n_sigma": (-1, -1.0),
+    "dynatemp_range": (0, 0.0), "n_probs": (0,), "min_keep": (0,), "samplers": (None,),
+    "grammar": (None, ""), "json_schema": (None, {}),
+}
+
+
 class _Sampling(_Model):
     """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields are kept to be checked, then ignored
 
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
@@ -84,8 +100,13 @@ class _Sampling(_Model):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's
+    repeat_penalty: float | None = Field(None, gt=0)  # llama-server's, over its last repeat_last_n tokens
+    repeat_last_n: int | None = None  # -1: the whole context (llama-server's default: 64)
+    min_p: float = Field(0.0, ge=0, lt=1)
+    min_tokens: int = Field(0, ge=0)
     logit_bias: dict[str, float] | None = None
     top_k: int = Field(0, ge=-1)  # -1 or 0: off
     ignore_eos: bool = False
@@ -100,9 +121,15 @@ class _Sampling(_Model):
     guided_grammar: str | None = None
 
     def check_supported(self) -> None:
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise ApiError(400, f"{name} is not supported; allowed: 0", param=name)
+        for name, value in (self.model_extra or {}).items():
+            if name in UNHONOURED and not any(value == v and type(value) is type(v) for v in UNHONOURED[name]):
+                allowed = " or ".join(json.dumps(v) for v in UNHONOURED[name])
+                raise ApiError(400, f"{name} is not supported; allowed: {allowed}", param=name)
+        if self.repeat_penalty not in (None, 1) and self.repeat_last_n != -1:
+            raise ApiError(400, "repeat_penalty is applied over the whole context only: send repeat_last_n: -1 "
+                                "(or vLLM's repetition_penalty)", param="repeat_penalty")
+        if None not in (self.repeat_penalty, self.repetition_penalty) and self.repeat_penalty != self.repetition_penalty:
+            raise ApiError(400, "repeat_penalty and repetition_penalty differ; send one", param="repeat_penalty")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -116,7 +143,11 @@ class _Sampling(_Model):
                                   top_k=max(self.top_k, 0), seed=self.seed, stop=self.stop or [],
                                   stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                                   n=self.n, priority=self.priority, logprobs=logprobs,
-                                  structured=structured, logit_bias=bias)
+                                  structured=structured, logit_bias=bias,
+                                  presence_penalty=self.presence_penalty or 0.0,
+                                  frequency_penalty=self.frequency_penalty or 0.0,
+                                  repetition_penalty=self.repetition_penalty or self.repeat_penalty or 1.0,
+                                  min_p=self.min_p, min_tokens=self.min_tokens)
         except ValueError as err:
             raise ApiError(400, str(err), param=str(err).split(" ")[0]) from None
 

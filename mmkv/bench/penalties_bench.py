@@ -1,0 +1,58 @@
+"""Penalties' cost: tokens/s with and without every penalty on the bundled model.
+
+The bundled model answers ``--requests`` report questions at batch 32 (all at once) and
+``--batch1-requests`` of them one at a time, greedy, ``--max-tokens`` tokens each (``ignore_eos``,
+so both runs make the same number of tokens), free and with ``repetition_penalty=1.1``,
+``frequency_penalty=0.5``, ``presence_penalty=0.5`` and ``min_tokens`` of half the tokens. Per
+batch size: generated tokens per second of each (the fastest of ``--repeats`` runs on fresh
+engines, taking turns) and their ratio (``penalised_vs_free_tokens_per_s_b1`` / ``_b32``);
+``penalised_outputs_differ``: some penalised answer differs from its free one (the penalties ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from mmkv import Engine, SamplingParams
+from mmkv.bench import gc_paused
+from mmkv.bundled import BUNDLED_MODEL
+from mmkv.synthetic import document_prompt, random_report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=32, help="served together (batch 32)")
+    p.add_argument("--batch1-requests", type=int, default=8, help="served one at a time")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    prompts = [document_prompt(random_report(rng), "summarise the report.") for _ in range(args.requests)]
+    free = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    penalised = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, repetition_penalty=1.1,
+                               frequency_penalty=0.5, presence_penalty=0.5, min_tokens=args.max_tokens // 2)
+    result: dict = {}
+    texts: dict[str, list[list[int]]] = {}
+    for label, batch in (("b1", prompts[:args.batch1_requests]), ("b32", prompts)):
+        best = {"free": 0.0, "penalised": 0.0}
+        for _ in range(args.repeats):
+            for name, params in (("free", free), ("penalised", penalised)):
+                engine = Engine(BUNDLED_MODEL, kv_cache_memory="256MiB")
+                engine.generate(batch[:1], params)  # warm
+                with gc_paused():
+                    start = time.perf_counter()
+                    outputs = ([engine.generate(p, params)[0] for p in batch] if label == "b1"
+                               else engine.generate(batch, params))
+                    seconds = time.perf_counter() - start
+                texts[name] = [o.outputs[0].token_ids for o in outputs]
+                tokens = sum(map(len, texts[name]))
+                best[name] = max(best[name], tokens / seconds)
+        result[f"free_tokens_per_s_{label}"] = round(best["free"], 1)
+        result[f"penalised_tokens_per_s_{label}"] = round(best["penalised"], 1)
+        result[f"penalised_vs_free_tokens_per_s_{label}"] = round(best["penalised"] / best["free"], 3)
+    result["penalised_outputs_differ"] = texts["free"] != texts["penalised"]
+    return result
