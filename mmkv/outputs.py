@@ -7,12 +7,14 @@ from typing import Callable, NamedTuple
 
 
 class TokenLogprob(NamedTuple):
-    """A generated token's log-probability under the model (log-softmax of its logits, before
-    temperature and filters) and the ``top`` most likely tokens there, most likely first."""
+    """A token's log-probability under the model (log-softmax of its logits, before temperature
+    and filters) and the ``top`` most likely tokens there, most likely first; a prompt token's
+    also carries its ``rank`` among every token there (1: the likeliest)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -73,6 +75,7 @@ class RequestOutput:
     cached_tokens: int
     error: str | None = None  # set instead of outputs when the request was rejected
     reuse: Reuse | None = None  # what the prompt took from the caches (None: rejected)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None)
 
     @property
     def text(self) -> str:

@@ -52,6 +52,8 @@ class Postprocessor:
             phase = "decode_tokens" if q == 1 and seq.num_computed >= seq.prompt_len else "computed_prefill_tokens"
             self.counters[phase] += q
             self.scheduler.commit(seq, q)
+            if not seq.params.max_tokens and seq.num_computed == len(seq.token_ids):  # a prompt only
+                self._apply(seq, lambda seq=seq: self._finish(seq, "length"), failed, touched)
         for drawn in result.sampled:
             self._apply(drawn.seq, lambda drawn=drawn: self._append_sampled(drawn), failed, touched)
         for seq, verdict in result.verdicts:
@@ -170,8 +172,9 @@ class Postprocessor:
         if finished:
             self.requests.pop(request_id)
         first = min(seqs, key=lambda s: s.index)  # the parent: the request's admission
+        prompt_logprobs = None if first.prompt_logprobs is None else list(first.prompt_logprobs)
         return RequestOutput(request_id, first.token_ids[: first.prompt_len], outputs, finished,
-                             first.cached_tokens, reuse=first.reuse)
+                             first.cached_tokens, reuse=first.reuse, prompt_logprobs=prompt_logprobs)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now: its sequences leave the scheduler and every block they hold

@@ -152,14 +152,18 @@ class ModelRunner:
             self.speculator.observe("plain", len(seqs), context, start)
 
     def _run_plain(self, seqs: list[Sequence], q_lens: list[int], result: StepResult) -> None:
-        """Compute the scheduled tokens and sample where a sequence's last token was computed.
+        """Compute the scheduled tokens and sample where a sequence's last token was computed;
+        score the prompt tokens a chunk predicts for a request that asked for their logprobs.
         When the batch raises, each request runs alone and one that raises alone has failed."""
-        # the sequences whose last token is computed now sample
-        sampling = [i for i, (s, q) in enumerate(zip(seqs, q_lens)) if s.num_computed + q == len(s.token_ids)]
+        # the sequences whose last token is computed now sample (unless they may generate nothing)
+        sampling = [i for i, (s, q) in enumerate(zip(seqs, q_lens))
+                    if s.num_computed + q == len(s.token_ids) and s.params.max_tokens]
+        scored = [(i, p) for i, (s, q) in enumerate(zip(seqs, q_lens)) if s.params.prompt_logprobs is not None
+                  for p in range(s.num_computed, min(s.num_computed + q, s.prompt_len - 1))]
         constrained = [row for row, i in enumerate(sampling) if seqs[i].params.constrained]
         chosen = [seqs[i] for i in sampling]
         try:
-            logits = self._forward_plain(seqs, q_lens, sampling)
+            logits = self._forward_plain(seqs, q_lens, sampling, scored)
         except Exception as err:
             groups: dict[int, list[int]] = {}
             for i, s in enumerate(seqs):
@@ -171,6 +175,9 @@ class ModelRunner:
                 self._run_plain([seqs[i] for i in rows], [q_lens[i] for i in rows], result)
             return
         result.computed.extend(zip(seqs, q_lens))
+        if scored:
+            _score_prompts(seqs, scored, logits[len(sampling):])
+            logits = logits[:len(sampling)]
         if constrained:  # penalties, logit biases and grammar masks, every constrained row at once
             with torch.inference_mode():  # the logits are the forward's inference tensor
                 penalties.adjust_rows(logits, constrained, [chosen[row] for row in constrained])
@@ -186,15 +193,18 @@ class ModelRunner:
                 continue
             result.sampled.append(drawn)
 
-    def _forward_plain(self, seqs: list[Sequence], q_lens: list[int], sampling: list[int]) -> torch.Tensor:
+    def _forward_plain(self, seqs: list[Sequence], q_lens: list[int], sampling: list[int],
+                       scored: list[tuple[int, int]] = ()) -> torch.Tensor:
         """Logits at the last token of each sequence of ``sampling`` (the indices of those whose
-        last token is computed now). Writes K/V only into the reserved slots, so it can rerun."""
+        last token is computed now), then at each ``scored`` (sequence index, position). Writes
+        K/V only into the reserved slots, so it can rerun."""
         kv_lens = [s.num_computed + q for s, q in zip(seqs, q_lens)]
         step = self.context(seqs, q_lens, kv_lens)
         input_ids = longs([t for s, q in zip(seqs, q_lens)
                            for t in s.token_ids[s.num_computed:s.num_computed + q]], self.device)
         starts = step.batch.host.qo_indptr[:-1].tolist()
-        rows = longs([starts[i] + q_lens[i] - 1 for i in sampling], self.device)
+        rows = longs([starts[i] + q_lens[i] - 1 for i in sampling]
+                     + [starts[i] + p - seqs[i].num_computed for i, p in scored], self.device)
         logits = self.model.forward(input_ids, step, rows)
         if self.speculator is not None:
             self.speculator.follow(input_ids, step, seqs, q_lens)
@@ -269,6 +279,26 @@ class ModelRunner:
         if any(c.images for c in cross):
             step.cross = plan_cross(cross, step.batch.num_tokens, self.kv.block_size, self.device,
                                     self.model.dtype, self.one_call)
+
+
+def _score_prompts(seqs: list[Sequence], scored: list[tuple[int, int]], logits: torch.Tensor) -> None:
+    """Each ``scored`` (sequence index, position) row of ``logits`` predicts the prompt token after
+    that position: its log-probability and the sequence's ``prompt_logprobs`` most likely tokens
+    there, kept in ``Sequence.prompt_logprobs`` (a recomputed position is scored again, alike)."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    targets = longs([seqs[i].token_ids[p + 1] for i, p in scored], logprobs.device)
+    chosen = logprobs.gather(1, targets[:, None])
+    ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+    chosen = chosen[:, 0].tolist()
+    most = max(seqs[i].params.prompt_logprobs for i, _ in scored)
+    values, ids = torch.topk(logprobs, most) if most else (logprobs[:, :0], logprobs[:, :0])
+    values, ids = values.tolist(), ids.tolist()
+    for row, (i, p) in enumerate(scored):
+        seq, k = seqs[i], seqs[i].params.prompt_logprobs
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None] * seq.prompt_len
+        seq.prompt_logprobs[p + 1] = TokenLogprob(seq.token_ids[p + 1], chosen[row],
+                                                  list(zip(ids[row][:k], values[row][:k])), ranks[row])
 
 
 def _greedy_tokens(seqs: list[Sequence], logits: torch.Tensor) -> dict[int, int]:

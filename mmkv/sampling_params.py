@@ -68,6 +68,9 @@ class SamplingParams:
     ``seed`` makes sampling reproducible whatever else is in the batch.
     ``logprobs``: None, or return each generated token's log-probability with that many of the
     most likely alternatives (0 to ``MAX_LOGPROBS``); such a request decodes without speculation.
+    ``prompt_logprobs``: None, or return each prompt token's log-probability under the model (the
+    first token's is None) with that many alternatives, computed in the prompt's prefill (such a
+    request reads nothing from the prefix cache). ``max_tokens=0`` computes the prompt only.
     ``structured``: a ``StructuredOutput`` the output must match (``mmkv.structured``).
     ``logit_bias``: token id -> a value in [-100, 100] added
     to that token's logit before any sampling filter (and before the structured output's mask).
@@ -96,12 +99,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     min_p: float = 0.0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
-        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("max_tokens", self.max_tokens, low=0)
         _check_int("top_k", self.top_k, low=0)
         _check_int("n", self.n, low=1)
         _check_int("priority", self.priority)
@@ -116,10 +120,12 @@ class SamplingParams:
                 raise ValueError(f"stop must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entries", t, low=0)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, low=0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
@@ -139,6 +145,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if self.max_tokens == 0 and self.n != 1:
+            raise ValueError(f"max_tokens=0 (the prompt only) takes n=1, got n={self.n}")
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")

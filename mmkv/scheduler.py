@@ -387,8 +387,8 @@ class Scheduler:
             budget -= n
 
     def _acquire(self, seq: Sequence) -> BlockTable:
-        if not self.config.enable_prefix_caching:
-            return BlockTable()
+        if not self.config.enable_prefix_caching or seq.prompt_logprobs_pending:
+            return BlockTable()  # a cached token would have no logits to score it
         # The last token is always computed: its logits choose the next token.
         return self.kv.acquire_prefix(seq.keys(len(seq.token_ids) - 1), seq.namespace)
 

@@ -85,6 +85,7 @@ class Sequence:
     image_tables: list[BlockTable] = field(default_factory=list)  # cross-attention K/V blocks
     rope: MRopePositions | None = None  # M-RoPE models: positions fixed at submission
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, when asked for
     constraint: Constraint | None = None  # its structured output's grammar state, when asked for
     reuse: Reuse = field(default_factory=Reuse)  # what its prompt took from the caches
     # the speculator's own record of this sequence (the runner's proposers keep them)
@@ -96,6 +97,12 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len:]
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Whether prompt log-probabilities were asked for and some are not computed yet."""
+        wanted = self.params.prompt_logprobs is not None
+        return wanted and (self.prompt_logprobs is None or self.prompt_logprobs[-1] is None) and self.prompt_len > 1
 
     @property
     def num_generated(self) -> int:

@@ -160,7 +160,7 @@ def test_bad_requests_fail_alone_at_submission(model_dirs, hf_oracle, prompt, pa
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("max_tokens", 0, "max_tokens must be >= 1, got 0"),
+    ("max_tokens", -1, "max_tokens must be >= 0, got -1"),
     ("temperature", -0.5, "temperature must be a finite number >= 0"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
     ("top_k", -1, "top_k must be >= 0"),

@@ -412,7 +412,6 @@ def image_chat(url: str) -> dict:
     ("/detokenize", b"x" * (16 * 2**20 + 1), 413, "limit"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": [1, 99999]}, 400, "token ids must be integers"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": []}, 400, "prompt is empty"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "echo": True}, 400, "echo"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     (CHAT, b"x" * (16 * 2**20 + 1), 413, "limit"),
     ("/v1/nowhere", {}, 404, "Not Found"),
@@ -679,3 +678,45 @@ def test_bounded_load_200_requests_from_32_clients(served, offline):
     m = served.wait_idle()
     assert (m["mmkv_requests_running"], m["mmkv_requests_waiting"], m["mmkv_kv_blocks_in_use"]) == (0, 0, 0)
     served.engine.check_integrity()  # safe: no request in flight, the engine thread is idle
+
+
+def test_echo_and_prompt_logprobs_are_the_engines(served, offline):
+    """``echo`` with ``logprobs`` and ``max_tokens: 0`` (what lm-evaluation-harness sends for a
+    multiple-choice item), echo before a completion, streamed echo, and vLLM's
+    ``prompt_logprobs``: the prompt's logprobs are the offline engine's."""
+    _, [report] = scenes_and_reports(6, 0, 1)
+    prompt = report_prompt(report, REPORT_QUESTIONS[2])
+    api = client(served)
+    ids = offline.tokenizer.encode(prompt)
+    want = offline.generate(prompt, SamplingParams(max_tokens=3, logprobs=2, prompt_logprobs=2))[0]
+    texts = [offline.tokenizer.decode([i]) for i in ids]
+
+    only = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    choice = only.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length" and only.usage.completion_tokens == 0
+    assert choice.logprobs.tokens == texts and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([lp.logprob for lp in want.prompt_logprobs[1:]], abs=1e-5)
+    assert choice.logprobs.top_logprobs[0] is None and len(choice.logprobs.top_logprobs[1]) == 2
+    assert choice.logprobs.text_offset == [sum(map(len, texts[:i])) for i in range(len(texts))]
+
+    both = api.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    choice = both.choices[0]
+    assert choice.text == offline.tokenizer.decode(ids) + want.outputs[0].text
+    assert choice.logprobs.token_logprobs[len(ids):] == pytest.approx([lp.logprob for lp in want.outputs[0].logprobs], abs=1e-5)
+    assert len(choice.logprobs.text_offset) == len(ids) + 3
+
+    streamed = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                      stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == prompt + want.outputs[0].text
+
+    vllm = post(served, "/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1,
+                                            "prompt_logprobs": 2}).json()["choices"][0]
+    scored = vllm["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    for entry, lp in zip(scored[1:], want.prompt_logprobs[1:]):
+        assert entry[str(lp.token_id)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+        assert entry[str(lp.token_id)]["rank"] == lp.rank >= 1
+    assert vllm["text"] == want.outputs[0].text[:len(vllm["text"])]
+
+    refused = post(served, "/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 0})
+    assert refused.status_code == 400 and "max_tokens: 0 needs echo" in refused.json()["error"]["message"]

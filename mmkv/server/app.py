@@ -44,7 +44,8 @@ from mmkv.server.metrics import ServerMetrics
 from mmkv.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                   DetokenizeRequest, TokenizeRequest, parse, template_messages)
 from mmkv.server.responses import (ChoiceStream, Header, chat_chunk, chat_completion, chat_logprobs,
-                                   completion, completion_chunk, completion_logprobs, sse, usage)
+                                   completion, completion_chunk, completion_logprobs, echoed_logprobs,
+                                   sse, usage, vllm_prompt_logprobs)
 from mmkv.server.settings import ServerSettings
 
 UI_PAGE = Path(__file__).with_name("ui.html")
@@ -198,7 +199,7 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
     async def completions(request: Request) -> Response:
         req = await _parse(CompletionRequest, request, settings)
         prompts = req.prompts()
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        params = req.sampling_params(req.max_tokens, req.logprobs, req.requested_prompt_logprobs())
         ticket = _admit(front, len(prompts) * params.n, settings)
         return await respond(request, ticket, prompts, params, req, Header("completion", req.model),
                              strict="max_tokens" in req.model_fields_set)
@@ -218,14 +219,14 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
                 request.state.usage = usage(finals)
                 if header.kind == "chat":
                     return JSONResponse(chat_completion(header, finals[0], token_text))
-                return JSONResponse(completion(header, finals, token_text))
+                return JSONResponse(completion(header, finals, token_text, _echoed(req, prompts, finals, token_text),
+                                               req.logprobs is not None, req.prompt_logprobs is not None))
             first = await _unless_disconnected(request, anext(outputs))
         except BaseException as err:
             ticket.release()
             await outputs.aclose()
             raise _api_error(err) from None
-        events = _events(header, first, outputs, prompts, params, req.include_usage, token_text,
-                         timer, request.state)
+        events = _events(header, first, outputs, prompts, params, req, token_text, timer, request.state)
         return _EventStream(events, ticket)
 
     return app
@@ -256,22 +257,47 @@ async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int,
     return finals
 
 
+def _echoed(req: ChatCompletionRequest | CompletionRequest, prompts: list, outs: list[RequestOutput],
+            token_text) -> list[str] | None:
+    """Each prompt's text when a completions request asked for it back (``echo``): the string it
+    sent, or its token ids decoded."""
+    if not getattr(req, "echo", False):
+        return None
+    return [p if isinstance(p, str) else _decode(token_text.tokenizer, o.prompt_token_ids)
+            for p, o in zip(prompts, outs)]
+
+
 async def _events(header: Header, first: tuple[int, RequestOutput],
                   outputs: AsyncIterator[tuple[int, RequestOutput]], prompts: list,
-                  params: SamplingParams, include_usage: bool, token_text, timer: _Timer,
-                  state: Any) -> AsyncIterator[str]:
+                  params: SamplingParams, req: ChatCompletionRequest | CompletionRequest, token_text,
+                  timer: _Timer, state: Any) -> AsyncIterator[str]:
     """SSE chunks of one streamed response; closing it aborts what still runs. Its usage goes
-    to ``state.usage`` for the access log."""
+    to ``state.usage`` for the access log. An echoed prompt (with its logprobs, and vLLM's
+    ``prompt_logprobs``) is each of its choices' first chunk."""
     hold = max((len(s) for s in params.stop), default=1) - 1
     choices = [[ChoiceStream(hold) for _ in range(params.n)] for _ in prompts]
     finals: list[RequestOutput | None] = [None] * len(prompts)
     pending: list[tuple[int, RequestOutput]] = [first]
+    echo = getattr(req, "echo", False)
+    prompt_logprobs = getattr(req, "prompt_logprobs", None) is not None
+    offsets = [0] * len(prompts)  # where each prompt's generated text starts in its choices' text
     try:
         while pending or None in finals:
             index, out = pending.pop() if pending else await anext(outputs)
             timer.saw(out)
             if out.finished:
                 finals[index] = out
+            if (echo or prompt_logprobs) and not any(s.started for s in choices[index]):
+                text = _echoed(req, [prompts[index]], [out], token_text)[0] if echo else ""
+                offsets[index] = len(text)
+                for n in range(params.n):
+                    chunk = completion_chunk(header, index * params.n + n, text, None,
+                                             echoed_logprobs(out, None, token_text, text)
+                                             if echo and req.logprobs is not None else None)
+                    if prompt_logprobs:
+                        chunk["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs(out, token_text)
+                    choices[index][n].started = True
+                    yield sse(chunk)
             for c in out.outputs:
                 stream = choices[index][c.index]
                 was_started = stream.started
@@ -282,13 +308,13 @@ async def _events(header: Header, first: tuple[int, RequestOutput],
                     lp = None if new is None else chat_logprobs(new, token_text)
                     yield sse(chat_chunk(header, c.index, delta, not was_started, c.finish_reason, lp))
                 else:
-                    offset = len(stream.text) - len(delta)
+                    offset = offsets[index] + len(stream.text) - len(delta)
                     lp = None if new is None else completion_logprobs(new, token_text, offset)
                     choice = index * params.n + c.index
                     yield sse(completion_chunk(header, choice, delta, c.finish_reason, lp))
         timer.done()
         state.usage = usage(finals)
-        if include_usage:
+        if req.include_usage:
             object_ = "chat.completion.chunk" if header.kind == "chat" else "text_completion"
             yield sse(header.body(object_, [], usage=state.usage))
     except (RequestFailed, EngineStopped) as err:

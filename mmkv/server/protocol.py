@@ -2,11 +2,13 @@
 
 Unknown fields are ignored (clients send many), except the sampling fields vLLM or llama-server
 define that mmkv does not honour (``UNHONOURED``): a value of one that would change the output is
-refused with a 400 naming the field, as are tools, echo, suffix and a ``best_of`` other than ``n``.
+refused with a 400 naming the field, as are tools, suffix and a ``best_of`` other than ``n``.
 Nothing that changes sampling is silently ignored. Honoured beyond OpenAI's fields: ``top_k``,
 ``min_p``, ``min_tokens``, ``repetition_penalty`` (and llama-server's ``repeat_penalty`` over the
 whole context, ``repeat_last_n: -1``), ``ignore_eos``, ``stop_token_ids``, ``priority``,
-``cache_salt``, and vLLM's ``structured_outputs`` (choice, regex, json, grammar) and ``guided_*``.
+``cache_salt``, vLLM's ``structured_outputs`` (choice, regex, json, grammar) and ``guided_*``, and
+on completions ``echo`` (with the prompt tokens' logprobs first when ``logprobs`` is asked for,
+``max_tokens: 0`` allowed) and vLLM's ``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ UNHONOURED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (None,), "allowed_token_ids": (None, []), "bad_words": (None, []),
-    "logits_processors": (None, []), "prompt_logprobs": (None,), "return_tokens_as_token_ids": (False,),
+    "logits_processors": (None, []), "return_tokens_as_token_ids": (False,),
     "typical_p": (1, 1.0), "tfs_z": (1, 1.0), "penalize_nl": (False,),
     "dry_multiplier": (0, 0.0), "xtc_probability": (0, 0.0), "mirostat": (0,), "top_n_sigma": (-1, -1.0),
     "dynatemp_range": (0, 0.0), "n_probs": (0,), "min_keep": (0,), "samplers": (None,),
@@ -136,7 +138,8 @@ class _Sampling(_Model):
         if len(stops) > MAX_STOP:
             raise ApiError(400, f"stop has {len(stops)} entries; at most {MAX_STOP}", param="stop")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         structured, bias = self.structured(), self.token_bias()
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -147,7 +150,8 @@ class _Sampling(_Model):
                                   presence_penalty=self.presence_penalty or 0.0,
                                   frequency_penalty=self.frequency_penalty or 0.0,
                                   repetition_penalty=self.repetition_penalty or self.repeat_penalty or 1.0,
-                                  min_p=self.min_p, min_tokens=self.min_tokens)
+                                  min_p=self.min_p, min_tokens=self.min_tokens,
+                                  prompt_logprobs=prompt_logprobs)
         except ValueError as err:
             raise ApiError(400, str(err), param=str(err).split(" ")[0]) from None
 
@@ -228,20 +232,27 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's
     suffix: str | None = None
     best_of: int | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ApiError(400, "echo is not supported; allowed: false", param="echo")
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise ApiError(400, "max_tokens: 0 needs echo: true or prompt_logprobs", param="max_tokens")
         if self.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, self.n):
             raise ApiError(400, f"best_of must equal n ({self.n}) when given", param="best_of")
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt token's logprob lists: ``prompt_logprobs``, or the
+        ``logprobs`` of an echoed prompt (the larger when both are given)."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts this request holds (a string, strings, token ids, lists of token ids)."""

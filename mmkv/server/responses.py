@@ -43,15 +43,40 @@ def chat_logprobs(logprobs: list[TokenLogprob], text: TokenText) -> dict[str, An
                          "top_logprobs": [entry(i, v) for i, v in lp.top]} for lp in logprobs]}
 
 
-def completion_logprobs(logprobs: list[TokenLogprob], text: TokenText, offset: int) -> dict[str, Any]:
-    tokens = [text(lp.token_id) for lp in logprobs]
+def completion_logprobs(logprobs: list[TokenLogprob | None], text: TokenText, offset: int,
+                        token_ids: list[int] | None = None) -> dict[str, Any]:
+    """OpenAI's completion logprobs of ``logprobs`` whose text starts at ``offset``; an entry may
+    be None (a prompt's first token, which nothing predicts: ``token_ids`` name the tokens)."""
+    ids = token_ids if token_ids is not None else [lp.token_id for lp in logprobs]
+    tokens = [text(i) for i in ids]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{text(i): v for i, v in lp.top} for lp in logprobs],
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+            "top_logprobs": [None if lp is None else {text(i): v for i, v in lp.top} for lp in logprobs],
             "text_offset": offsets}
+
+
+def echoed_logprobs(out: RequestOutput, c: CompletionOutput | None, text: TokenText,
+                    echo: str) -> dict[str, Any]:
+    """The logprobs of an echoed prompt (the text ``echo``), then of the sample ``c`` so far."""
+    prompt = completion_logprobs(out.prompt_logprobs, text, 0, out.prompt_token_ids)
+    if c is None or c.logprobs is None or not c.logprobs:
+        return prompt
+    generated = completion_logprobs(c.logprobs, text, len(echo))
+    return {key: prompt[key] + generated[key] for key in prompt}
+
+
+def vllm_prompt_logprobs(out: RequestOutput, text: TokenText) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: for each prompt token but the first, its own logprob and rank
+    and the likeliest tokens', by token id."""
+    def entry(lp: TokenLogprob) -> dict[str, Any]:
+        ranked = {i: {"logprob": v, "rank": r, "decoded_token": text(i)} for r, (i, v) in enumerate(lp.top, 1)}
+        ranked.setdefault(lp.token_id, {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": text(lp.token_id)})
+        return {str(i): v for i, v in ranked.items()}
+
+    return [None if lp is None else entry(lp) for lp in out.prompt_logprobs]
 
 
 class Header:
@@ -74,11 +99,23 @@ def chat_completion(header: Header, out: RequestOutput, text: TokenText) -> dict
     return header.body("chat.completion", choices, usage=usage([out]))
 
 
-def completion(header: Header, outs: list[RequestOutput], text: TokenText) -> dict[str, Any]:
+def completion(header: Header, outs: list[RequestOutput], text: TokenText, echo: list[str] | None = None,
+               logprobs: bool = False, prompt_logprobs: bool = False) -> dict[str, Any]:
+    """A completions body; ``echo``: each prompt's text, put before its samples' (and, with
+    ``logprobs``, its tokens' logprobs before theirs); ``prompt_logprobs``: vLLM's field too."""
     n = len(outs[0].outputs)
-    choices = [{"index": p * n + c.index, "text": c.text,
-                "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, text, 0),
-                "finish_reason": c.finish_reason} for p, o in enumerate(outs) for c in o.outputs]
+    choices = []
+    for p, o in enumerate(outs):
+        for c in o.outputs:
+            choice = {"index": p * n + c.index, "text": c.text, "finish_reason": c.finish_reason,
+                      "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, text, 0)}
+            if echo is not None:
+                choice["text"] = echo[p] + c.text
+                if logprobs:
+                    choice["logprobs"] = echoed_logprobs(o, c, text, echo[p])
+            if prompt_logprobs:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(o, text)
+            choices.append(choice)
     return header.body("text_completion", choices, usage=usage(outs))
 
 
