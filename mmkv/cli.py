@@ -32,6 +32,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument("--served-model-name",
                         help="the model's name in the API (default: the model directory's name)")
     server.add_argument("--no-ui", action="store_true", help="no web page at GET /")
+    server.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"),
+                        help="how tool calls are read out of answers (default: the chat template's own "
+                             "format: hermes for Qwen2 / Qwen2.5 and Qwen-VL, llama3_json for Llama 3.x)")
     server.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds open connections get after SIGTERM before they are closed")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),

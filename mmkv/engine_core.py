@@ -191,13 +191,15 @@ class EngineCore:
         keys = prompt_keys(np.asarray(req.token_ids, dtype=np.int64), req.images)
         return min(self.kv.tree.cached_length(keys, req.namespace), len(req.token_ids) - 1)
 
-    def render_chat(self, messages: list[dict[str, Any]], label: str = "request") -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]], label: str = "request",
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of ``messages`` (``{"role", "content"}``; content a string or a list of
         ``{"type": "text", "text"}`` and ``{"type": "image"}`` parts) rendered by the model's chat
         template with the generation prompt; each image part becomes the model's image token, for
         an image passed with the prompt. ``ValueError`` when the model has no chat template, the
-        template refuses the messages, or their text cannot fit ``max_model_len``. Any thread."""
-        return self.preparer.render_chat(messages, label)
+        template refuses the messages, or their text cannot fit ``max_model_len``; ``tools``: OpenAI
+        function definitions the template renders (``ValueError`` when it does not). Any thread."""
+        return self.preparer.render_chat(messages, label, tools)
 
     # -- running --------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:

@@ -123,11 +123,12 @@ class RequestPreparer:
             raise ValueError(f"{label}: logit_bias names token {outside[0]}; the vocabulary has "
                              f"tokens 0 to {vocab - 1}")
 
-    def render_chat(self, messages: list[dict[str, Any]], label: str = "request") -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]], label: str = "request",
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """``render_chat`` with this model's tokenizer; messages whose text is longer than
         ``max_prompt_chars`` are refused before they are rendered."""
         self._check_chars(sum(len(text) for text in _message_texts(messages)), label)
-        return render_chat(self.tokenizer, messages)
+        return render_chat(self.tokenizer, messages, tools)
 
     def _check_chars(self, n: int, label: str) -> None:
         if n > self.max_prompt_chars:
@@ -213,16 +214,26 @@ class RequestPreparer:
                                                               {"type": "text", "text": question}]}])
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of ``messages`` (``{"role", "content"}``; content a string or a list of
-    ``{"type": "text", "text"}`` and ``{"type": "image"}`` parts) rendered by the tokenizer's chat
-    template with the generation prompt; each image part becomes the model's image token, for an
-    image passed with the prompt. ``ValueError`` when there is no chat template or the template
-    refuses the messages."""
+    ``{"type": "text", "text"}`` and ``{"type": "image"}`` parts; an assistant's ``tool_calls``
+    and ``role: tool`` results as transformers' templates take them) rendered by the tokenizer's
+    chat template with the generation prompt, and ``tools`` (OpenAI's function definitions) as
+    the template renders them, as ``apply_chat_template(tools=...)`` does; each image part becomes
+    the model's image token, for an image passed with the prompt. ``ValueError`` when there is no
+    chat template, the template refuses the messages, or ``tools`` are given and the template
+    leaves them out."""
     if tokenizer is None or not tokenizer.chat_template:
         raise ValueError("this model directory has no chat template (tokenizer_config.json "
                          "'chat_template' or chat_template.jinja); send a plain prompt instead")
     try:
+        if tools:
+            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                 tokenize=False)
+            if not all(tool["function"]["name"] in text for tool in tools):
+                raise ValueError("this model's chat template does not render tools")
+            return tokenizer.encode(text, add_special_tokens=False)
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                   tokenize=True, return_dict=False))
     except TemplateError as err:

@@ -58,8 +58,10 @@ def test_lm_eval_scores_the_served_model_as_it_scores_transformers(model_dirs, t
         server.engine.check_integrity()
     reference = evaluate("hf", f"pretrained={path},dtype=float32,device=cpu")
     got, want = per_sample(served, "tiny_choice"), per_sample(reference, "tiny_choice")
-    assert len(got) == len(want) == 12
+    assert len(got) == len(want) == 8
     for mine, theirs in zip(got, want):
         assert [ll for ll, _ in mine] == pytest.approx([ll for ll, _ in theirs], abs=1e-4)
+    worst = max(abs(a[0] - b[0]) for mine, theirs in zip(got, want) for a, b in zip(mine, theirs))
+    print(f"largest loglikelihood difference from lm-eval's hf model: {worst:.1e}")  # shown with -s
     assert served["results"]["tiny_choice"]["acc,none"] == reference["results"]["tiny_choice"]["acc,none"]
     assert per_sample(served, "tiny_generate") == per_sample(reference, "tiny_generate")

@@ -161,14 +161,14 @@ def test_speculation_gives_the_same_penalised_output(method):
     from tiny_models import LEARNING
 
     rng = random.Random(4)
-    prompts = [document_prompt(random_report(rng), "describe the town as json.") for _ in range(6)]
+    prompts = [document_prompt(random_report(rng), "describe the town as json.") for _ in range(3)]
     plain = Engine(kv_cache_memory="64MiB")
     spec = Engine(kv_cache_memory="64MiB", debug=True,
                   speculative=SpeculativeConfig(method=method, num_tokens=8, draft_length="fixed", settings=LEARNING,
                                                 draft_model=BUNDLED_DRAFT_MODEL if method == "draft_model" else None))
-    cases = [SamplingParams(max_tokens=48, repetition_penalty=3.0),
-             SamplingParams(max_tokens=48, frequency_penalty=2.0, presence_penalty=2.0),
-             SamplingParams(max_tokens=48, frequency_penalty=-2.0, min_tokens=40),
+    cases = [SamplingParams(max_tokens=32, repetition_penalty=3.0),
+             SamplingParams(max_tokens=32, frequency_penalty=2.0, presence_penalty=2.0),
+             SamplingParams(max_tokens=32, frequency_penalty=-2.0, min_tokens=28),
              SamplingParams(max_tokens=80, repetition_penalty=1.3, structured=StructuredOutput(json_schema=SCHEMA))]
     for params in cases:
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]

@@ -43,9 +43,11 @@ from mmkv.server.media import MediaLoader
 from mmkv.server.metrics import ServerMetrics
 from mmkv.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                   DetokenizeRequest, TokenizeRequest, parse, template_messages)
-from mmkv.server.responses import (ChoiceStream, Header, chat_chunk, chat_completion, chat_logprobs,
-                                   completion, completion_chunk, completion_logprobs, echoed_logprobs,
-                                   sse, usage, vllm_prompt_logprobs)
+from mmkv.server.responses import (ChoiceStream, Header, Reply, chat_chunk, chat_completion, chat_logprobs,
+                                   chat_message, completion, completion_chunk, completion_logprobs,
+                                   echo_texts, echoed_logprobs, plain_reply, sse, usage,
+                                   vllm_prompt_logprobs)
+from mmkv.server.tool_calls import parser_for
 from mmkv.server.settings import ServerSettings
 
 UI_PAGE = Path(__file__).with_name("ui.html")
@@ -85,6 +87,9 @@ class _TokenText:
 
     def __call__(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
 
 
 def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None = None) -> FastAPI:
@@ -157,10 +162,12 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
         explicit = req.max_completion_tokens or req.max_tokens
         params = req.sampling_params(explicit or front.max_model_len, req.requested_logprobs())
         messages, urls = _chat_messages(req.messages, settings)
+        reply = req.reply(parser_for(token_text.tokenizer, settings.tool_call_parser))
         ticket = _admit(front, params.n, settings)
         images = await _while_held(request, ticket, media.load_all(urls), "messages")
-        return await respond(request, ticket, [ChatPrompt(messages, images)], params, req,
-                             Header("chat", req.model), strict=explicit is not None)
+        return await respond(request, ticket, [ChatPrompt(messages, images, req.tool_definitions())], params, req,
+                             Header("chat", req.model), strict=explicit is not None,
+                             reply=reply)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -199,14 +206,14 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
     async def completions(request: Request) -> Response:
         req = await _parse(CompletionRequest, request, settings)
         prompts = req.prompts()
-        params = req.sampling_params(req.max_tokens, req.logprobs, req.requested_prompt_logprobs())
+        params = req.params()
         ticket = _admit(front, len(prompts) * params.n, settings)
         return await respond(request, ticket, prompts, params, req, Header("completion", req.model),
                              strict="max_tokens" in req.model_fields_set)
 
     async def respond(request: Request, ticket: Ticket, prompts: list, params: SamplingParams,
                       req: ChatCompletionRequest | CompletionRequest, header: Header,
-                      strict: bool) -> Response:
+                      strict: bool, reply: Reply = plain_reply) -> Response:
         arrival = time.perf_counter()
         outputs = front.generate(prompts, params, req.cache_salt, stream=req.stream,
                                  strict_max_tokens=strict)
@@ -218,15 +225,16 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
                 timer.done()
                 request.state.usage = usage(finals)
                 if header.kind == "chat":
-                    return JSONResponse(chat_completion(header, finals[0], token_text))
-                return JSONResponse(completion(header, finals, token_text, _echoed(req, prompts, finals, token_text),
-                                               req.logprobs is not None, req.prompt_logprobs is not None))
+                    return JSONResponse(chat_completion(header, finals[0], token_text, reply))
+                echo = echo_texts(prompts, finals, token_text.decode) if req.echo else None
+                return JSONResponse(completion(header, finals, token_text, echo, req.logprobs is not None,
+                                               req.prompt_logprobs is not None))
             first = await _unless_disconnected(request, anext(outputs))
         except BaseException as err:
             ticket.release()
             await outputs.aclose()
             raise _api_error(err) from None
-        events = _events(header, first, outputs, prompts, params, req, token_text, timer, request.state)
+        events = _events(header, first, outputs, prompts, params, req, token_text, timer, request.state, reply)
         return _EventStream(events, ticket)
 
     return app
@@ -257,23 +265,15 @@ async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int,
     return finals
 
 
-def _echoed(req: ChatCompletionRequest | CompletionRequest, prompts: list, outs: list[RequestOutput],
-            token_text) -> list[str] | None:
-    """Each prompt's text when a completions request asked for it back (``echo``): the string it
-    sent, or its token ids decoded."""
-    if not getattr(req, "echo", False):
-        return None
-    return [p if isinstance(p, str) else _decode(token_text.tokenizer, o.prompt_token_ids)
-            for p, o in zip(prompts, outs)]
-
-
 async def _events(header: Header, first: tuple[int, RequestOutput],
                   outputs: AsyncIterator[tuple[int, RequestOutput]], prompts: list,
                   params: SamplingParams, req: ChatCompletionRequest | CompletionRequest, token_text,
-                  timer: _Timer, state: Any) -> AsyncIterator[str]:
+                  timer: _Timer, state: Any, reply: Reply = plain_reply) -> AsyncIterator[str]:
     """SSE chunks of one streamed response; closing it aborts what still runs. Its usage goes
     to ``state.usage`` for the access log. An echoed prompt (with its logprobs, and vLLM's
-    ``prompt_logprobs``) is each of its choices' first chunk."""
+    ``prompt_logprobs``) is each of its choices' first chunk. A chat answer that may hold tool
+    calls is sent whole when it ends: its content, then ``delta.tool_calls``, in one chunk."""
+    tools = reply is not plain_reply
     hold = max((len(s) for s in params.stop), default=1) - 1
     choices = [[ChoiceStream(hold) for _ in range(params.n)] for _ in prompts]
     finals: list[RequestOutput | None] = [None] * len(prompts)
@@ -288,7 +288,7 @@ async def _events(header: Header, first: tuple[int, RequestOutput],
             if out.finished:
                 finals[index] = out
             if (echo or prompt_logprobs) and not any(s.started for s in choices[index]):
-                text = _echoed(req, [prompts[index]], [out], token_text)[0] if echo else ""
+                text = echo_texts([prompts[index]], [out], token_text.decode)[0] if echo else ""
                 offsets[index] = len(text)
                 for n in range(params.n):
                     chunk = completion_chunk(header, index * params.n + n, text, None,
@@ -300,6 +300,14 @@ async def _events(header: Header, first: tuple[int, RequestOutput],
                     yield sse(chunk)
             for c in out.outputs:
                 stream = choices[index][c.index]
+                if tools:
+                    if c.finish_reason is not None and not stream.started:
+                        stream.started = True
+                        content, calls, finish = reply(c)
+                        yield sse(header.body("chat.completion.chunk", [{
+                            "index": c.index, "delta": chat_message(content, calls, delta=True),
+                            "logprobs": None, "finish_reason": finish}]))
+                    continue
                 was_started = stream.started
                 delta, new, send = stream.advance(c)
                 if not send:

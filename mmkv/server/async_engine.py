@@ -61,6 +61,7 @@ class ChatPrompt:
 
     messages: list[dict[str, Any]]
     images: list[bytes]
+    tools: list[dict[str, Any]] | None = None  # OpenAI function definitions the template renders
 
 
 @dataclass(slots=True, eq=False)
@@ -226,7 +227,7 @@ class AsyncEngine:
                  label: str) -> PreparedRequest:
         """One prompt's input work, on an input thread."""
         if isinstance(prompt, ChatPrompt):
-            ids = self.engine.render_chat(prompt.messages, label)
+            ids = self.engine.render_chat(prompt.messages, label, prompt.tools)
             prompt = {"prompt": ids, "images": prompt.images} if prompt.images else ids
         request = self.engine.prepare_request(prompt, params, cache_salt, label=label)
         room = self.engine.max_model_len - len(request.token_ids)

@@ -30,7 +30,8 @@ from mmkv.server.async_engine import AsyncEngine, ChatPrompt, RequestFailed
 from mmkv.server.media import MediaLoader, MediaPolicy
 from mmkv.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, parse,
                                   template_messages)
-from mmkv.server.responses import Header, chat_completion, completion
+from mmkv.server.responses import Header, chat_completion, completion, echo_texts
+from mmkv.server.tool_calls import parser_for
 
 UNBOUNDED = 1 << 30  # a batch job queues all it is given: admission never refuses
 CHAT = "/v1/chat/completions"
@@ -110,10 +111,11 @@ async def _run(front: AsyncEngine, line: _Line, media: MediaLoader) -> dict[str,
         if isinstance(req, ChatCompletionRequest):
             params = req.sampling_params(req.max_completion_tokens or req.max_tokens or front.max_model_len,
                                          req.requested_logprobs())
+            reply = req.reply(parser_for(front.tokenizer))
             messages, urls = template_messages(req.messages)
-            prompts: list[Any] = [ChatPrompt(messages, await media.load_all(urls))]
+            prompts: list[Any] = [ChatPrompt(messages, await media.load_all(urls), req.tool_definitions())]
         else:
-            params = req.sampling_params(req.max_tokens, req.logprobs)
+            params = req.params()
             prompts = req.prompts()
         outs: list[RequestOutput | None] = [None] * len(prompts)
         async for index, out in front.generate(prompts, params, req.cache_salt, stream=False):
@@ -127,8 +129,12 @@ async def _run(front: AsyncEngine, line: _Line, media: MediaLoader) -> dict[str,
         return _refused(line, ApiError(500, str(err), type="server_error"))
     decode = front.tokenizer.decode
     text = lambda token: decode([token])  # noqa: E731
-    body = (chat_completion(Header("chat", req.model), outs[0], text) if line.url == CHAT
-            else completion(Header("completion", req.model), outs, text))
+    if line.url == CHAT:
+        body = chat_completion(Header("chat", req.model), outs[0], text, reply)
+    else:
+        body = completion(Header("completion", req.model), outs, text,
+                          echo_texts(prompts, outs, decode) if req.echo else None,
+                          req.logprobs is not None, req.prompt_logprobs is not None)
     return _result(line.custom_id, {"status_code": 200, "request_id": body["id"], "body": body})
 
 

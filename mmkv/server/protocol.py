@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from mmkv import SamplingParams
 from mmkv.sampling_params import StructuredOutput
+from mmkv.server.responses import Reply, tool_reply
 
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -67,9 +68,42 @@ class ImagePart(_Model):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
+
+
+class FunctionDefinition(_Model):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class StreamOptions(_Model):
@@ -216,15 +250,72 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise ApiError(400, "tools are not supported", param="tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ApiError(400, "tools name a function twice", param="tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ApiError(400, f"tool_choice names {self.tool_choice.function.name!r}, which is not among "
+                                f"the tools ({', '.join(names)})", param="tool_choice")
+
+    @property
+    def tool_mode(self) -> str:
+        """``none`` (no tools, or ``tool_choice: none``: the answer is text), ``auto`` (the model's
+        answer is parsed for calls), ``required`` (one call or more, forced) or ``named`` (a call
+        of the named function, forced)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return "required" if self.tool_choice == "required" else "auto"
+
+    def reply(self, parser: str | None) -> Reply:
+        """How each sample becomes a message (``responses.tool_reply``); ``parser``: the tool-call
+        format of the model (None: none known, which ``auto`` cannot do without)."""
+        if self.tool_mode == "auto" and parser is None:
+            raise ApiError(400, "tools with tool_choice auto need a tool-call parser, and this model's chat "
+                                "template has no format mmkv knows; start mmkv serve with --tool-call-parser",
+                           param="tools")
+        return tool_reply(self.tool_mode, parser,
+                          self.tool_choice.function.name if self.tool_mode == "named" else None)
+
+    def tool_definitions(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's shape)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def structured(self) -> StructuredOutput | None:
+        """A forced call (``tool_choice`` ``required`` or a named function) is structured output:
+        the named function's arguments under its ``parameters`` schema, or a list of calls
+        (``{"name", "arguments"}``; one when ``parallel_tool_calls`` is false). It cannot be asked
+        for together with another structured output."""
+        asked = super().structured()
+        if self.tool_mode not in ("required", "named"):
+            return asked
+        if asked is not None:
+            raise ApiError(400, "a forced tool call (tool_choice) is structured output already; drop "
+                                "response_format or the structured output field", param="tool_choice")
+        functions = {t.function.name: t.function.parameters for t in self.tools}
+        if self.tool_mode == "named":
+            schema = functions[self.tool_choice.function.name]
+        else:
+            calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "arguments": parameters},
+                      "required": ["name", "arguments"], "additionalProperties": False}
+                     for name, parameters in functions.items()]
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls},
+                      **({} if self.parallel_tool_calls else {"maxItems": 1})}
+        try:
+            return StructuredOutput(json_schema=schema)
+        except ValueError as err:
+            raise ApiError(400, f"tools: {err}", param="tools") from None
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -247,6 +338,9 @@ class CompletionRequest(_Sampling):
             raise ApiError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, self.n):
             raise ApiError(400, f"best_of must equal n ({self.n}) when given", param="best_of")
+
+    def params(self) -> SamplingParams:
+        return self.sampling_params(self.max_tokens, self.logprobs, self.requested_prompt_logprobs())
 
     def requested_prompt_logprobs(self) -> int | None:
         """How many alternatives each prompt token's logprob lists: ``prompt_logprobs``, or the
@@ -295,9 +389,15 @@ def template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]]
     """Messages as chat templates take them (image parts as ``{"type": "image"}``) and the image
     URLs in the order their parts appear."""
     out, urls = [], []
-    for m in messages:
+    for i, m in enumerate(messages):
+        extra: dict[str, Any] = {}
+        if m.tool_calls:
+            extra["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, i)}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            extra["tool_call_id"] = m.tool_call_id
         if m.content is None or isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content or ""})
+            out.append({"role": m.role, "content": m.content or "", **extra})
             continue
         parts = []
         for part in m.content:
@@ -306,8 +406,20 @@ def template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]]
             else:
                 parts.append({"type": "image"})
                 urls.append(part.image_url.url)
-        out.append({"role": m.role, "content": parts})
+        out.append({"role": m.role, "content": parts, **extra})
     return out, urls
+
+
+def _arguments(text: str, index: int) -> dict[str, Any]:
+    """An earlier call's arguments (JSON text) as the object templates render."""
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"messages.{index}.tool_calls: arguments must be a JSON object as text",
+                       param="messages")
+    return arguments
 
 
 def parse(model: type[_Model], body: bytes) -> Any:

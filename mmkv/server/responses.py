@@ -16,6 +16,7 @@ from typing import Any, Callable
 from mmkv import CompletionOutput, RequestOutput
 from mmkv.detokenizer import UNSETTLED
 from mmkv.outputs import Reuse, TokenLogprob
+from mmkv.server.tool_calls import PARSERS, ToolCall, new_call
 
 TokenText = Callable[[int], str]  # a token id's text
 
@@ -68,6 +69,11 @@ def echoed_logprobs(out: RequestOutput, c: CompletionOutput | None, text: TokenT
     return {key: prompt[key] + generated[key] for key in prompt}
 
 
+def echo_texts(prompts: list, outs: list[RequestOutput], decode: Callable[[list[int]], str]) -> list[str]:
+    """Each prompt's text as ``echo`` gives it back: the string it was, or its token ids decoded."""
+    return [p if isinstance(p, str) else decode(o.prompt_token_ids) for p, o in zip(prompts, outs)]
+
+
 def vllm_prompt_logprobs(out: RequestOutput, text: TokenText) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs``: for each prompt token but the first, its own logprob and rank
     and the likeliest tokens', by token id."""
@@ -92,17 +98,61 @@ class Header:
                 "choices": choices, **extra}
 
 
-def chat_completion(header: Header, out: RequestOutput, text: TokenText) -> dict[str, Any]:
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, text),
-                "finish_reason": c.finish_reason} for c in out.outputs]
+Reply = Callable[[CompletionOutput], tuple[str | None, list[ToolCall], str | None]]
+
+
+def plain_reply(c: CompletionOutput) -> tuple[str | None, list[ToolCall], str | None]:
+    return c.text, [], c.finish_reason
+
+
+def tool_reply(mode: str, parser: str | None, named: str | None = None) -> Reply:
+    """A sample's content, tool calls and finish reason under ``mode`` (``ChatCompletionRequest.
+    tool_mode``): ``auto`` parses the text with ``parser``; ``named`` reads it as the named
+    function's arguments and ``required`` as a list of calls (both forced by a schema; a text cut
+    short by ``max_tokens`` comes back as content). With calls, the finish reason is
+    ``tool_calls``."""
+    def reply(c: CompletionOutput) -> tuple[str | None, list[ToolCall], str | None]:
+        text, calls = c.text, []
+        if mode == "auto":
+            content, calls = PARSERS[parser](text)
+        else:
+            content = text
+            try:
+                value = json.loads(text)
+            except ValueError:
+                value = None
+            if mode == "named" and isinstance(value, dict):
+                content, calls = None, [new_call(named, text.strip())]
+            elif mode == "required" and isinstance(value, list) and value:
+                content, calls = None, [new_call(v["name"], v["arguments"]) for v in value]
+        return content, calls, "tool_calls" if calls else c.finish_reason
+
+    return reply if mode != "none" else plain_reply
+
+
+def chat_message(content: str | None, calls: list[ToolCall], delta: bool = False) -> dict[str, Any]:
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [call.as_openai(i if delta else None) for i, call in enumerate(calls)]
+    return message
+
+
+def chat_completion(header: Header, out: RequestOutput, text: TokenText,
+                    reply: Reply = plain_reply) -> dict[str, Any]:
+    choices = []
+    for c in out.outputs:
+        content, calls, finish = reply(c)
+        choices.append({"index": c.index, "message": chat_message(content, calls),
+                        "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, text),
+                        "finish_reason": finish})
     return header.body("chat.completion", choices, usage=usage([out]))
 
 
 def completion(header: Header, outs: list[RequestOutput], text: TokenText, echo: list[str] | None = None,
                logprobs: bool = False, prompt_logprobs: bool = False) -> dict[str, Any]:
-    """A completions body; ``echo``: each prompt's text, put before its samples' (and, with
-    ``logprobs``, its tokens' logprobs before theirs); ``prompt_logprobs``: vLLM's field too."""
+    """A completions body; ``echo``: each prompt's text (``echo_texts``), put before its samples'
+    (and, with ``logprobs``, its tokens' logprobs before theirs); ``prompt_logprobs``: vLLM's
+    field too."""
     n = len(outs[0].outputs)
     choices = []
     for p, o in enumerate(outs):

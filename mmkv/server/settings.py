@@ -30,6 +30,7 @@ class ServerSettings:
     client_priority: tuple[int, int] = (0, 0)  # the priorities a client may ask for (0: FCFS)
     stall_seconds: float = 60.0  # /health is 503 once one engine turn takes longer while work waits
     ui: bool = True  # the web page at GET /
+    tool_call_parser: str | None = None  # hermes or llama3_json (None: the chat template's own format)
 
     def __post_init__(self) -> None:
         if self.api_key == "":
@@ -49,7 +50,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes,
                           max_images_per_request=args.max_images_per_request, media=media,
-                          client_priority=tuple(args.allow_client_priority or (0, 0)), ui=not args.no_ui)
+                          client_priority=tuple(args.allow_client_priority or (0, 0)), ui=not args.no_ui,
+                          tool_call_parser=args.tool_call_parser)
 
 
 def api_key_from(option: str | None) -> str | None:
