@@ -13,20 +13,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
-from mmkv import Engine, SamplingParams
-from mmkv.bench import gc_paused
-from mmkv.bundled import BUNDLED_MODEL
+from mmkv import SamplingParams
+from mmkv.bench import add_bundled_answer_arguments, serve_bundled
 from mmkv.synthetic import document_prompt, random_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=32, help="served together (batch 32)")
-    p.add_argument("--batch1-requests", type=int, default=8, help="served one at a time")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    add_bundled_answer_arguments(p)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -37,20 +31,13 @@ def run(args: argparse.Namespace) -> dict:
                                frequency_penalty=0.5, presence_penalty=0.5, min_tokens=args.max_tokens // 2)
     result: dict = {}
     texts: dict[str, list[list[int]]] = {}
-    for label, batch in (("b1", prompts[:args.batch1_requests]), ("b32", prompts)):
+    for label, served, batch in (("b1", prompts[:args.batch1_requests], 1), ("b32", prompts, len(prompts))):
         best = {"free": 0.0, "penalised": 0.0}
         for _ in range(args.repeats):
             for name, params in (("free", free), ("penalised", penalised)):
-                engine = Engine(BUNDLED_MODEL, kv_cache_memory="256MiB")
-                engine.generate(batch[:1], params)  # warm
-                with gc_paused():
-                    start = time.perf_counter()
-                    outputs = ([engine.generate(p, params)[0] for p in batch] if label == "b1"
-                               else engine.generate(batch, params))
-                    seconds = time.perf_counter() - start
-                texts[name] = [o.outputs[0].token_ids for o in outputs]
-                tokens = sum(map(len, texts[name]))
-                best[name] = max(best[name], tokens / seconds)
+                outs, seconds = serve_bundled(served, batch, [params] * len(served))
+                texts[name] = [o.token_ids for o in outs]
+                best[name] = max(best[name], sum(map(len, texts[name])) / seconds)
         result[f"free_tokens_per_s_{label}"] = round(best["free"], 1)
         result[f"penalised_tokens_per_s_{label}"] = round(best["penalised"], 1)
         result[f"penalised_vs_free_tokens_per_s_{label}"] = round(best["penalised"] / best["free"], 3)

@@ -28,8 +28,8 @@ import random
 import tempfile
 import time
 
-from mmkv import Engine, SamplingParams, StructuredOutput, structured
-from mmkv.bench import gc_paused
+from mmkv import SamplingParams, StructuredOutput, structured
+from mmkv.bench import add_bundled_answer_arguments, serve_bundled
 from mmkv.bundled import BUNDLED_MODEL
 from mmkv.synthetic import document_prompt, random_report
 
@@ -47,11 +47,7 @@ SCHEMA = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=32, help="served together (batch 32)")
-    p.add_argument("--batch1-requests", type=int, default=8, help="served one at a time")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    add_bundled_answer_arguments(p)
     p.add_argument("--libraries", action="store_true", help="also time llguidance and xgrammar alone")
 
 
@@ -79,15 +75,10 @@ class _MaskClock:
 
 def _serve(prompts: list[str], batch: int, params: list[SamplingParams]) -> tuple[list, float, float]:
     """Outputs, seconds and mask seconds of ``prompts`` (each with its ``params``) served
-    ``batch`` at a time on a fresh engine."""
-    engine = Engine(BUNDLED_MODEL, kv_cache_memory="256MiB", host_kv_memory="16MiB")
-    engine.generate(["warm up on a prompt the run never serves"], params[0])
-    outs = []
-    with _MaskClock() as clock, gc_paused():
-        start = time.perf_counter()
-        for i in range(0, len(prompts), batch):
-            outs += [o.outputs[0] for o in engine.generate(prompts[i:i + batch], params[i:i + batch])]
-        return outs, time.perf_counter() - start, clock.seconds
+    ``batch`` at a time on a fresh engine (``serve_bundled``)."""
+    clock = _MaskClock()
+    outs, seconds = serve_bundled(prompts, batch, params, lambda: clock)
+    return outs, seconds, clock.seconds
 
 
 def run(args: argparse.Namespace) -> dict:

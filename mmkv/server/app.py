@@ -159,14 +159,13 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await _parse(ChatCompletionRequest, request, settings)
-        explicit = req.max_completion_tokens or req.max_tokens
-        params = req.sampling_params(explicit or front.max_model_len, req.requested_logprobs())
+        params = req.params(front.max_model_len)
         messages, urls = _chat_messages(req.messages, settings)
         reply = req.reply(parser_for(token_text.tokenizer, settings.tool_call_parser))
         ticket = _admit(front, params.n, settings)
         images = await _while_held(request, ticket, media.load_all(urls), "messages")
         return await respond(request, ticket, [ChatPrompt(messages, images, req.tool_definitions())], params, req,
-                             Header("chat", req.model), strict=explicit is not None,
+                             Header("chat", req.model), strict=req.explicit_max_tokens is not None,
                              reply=reply)
 
     @app.post("/tokenize")

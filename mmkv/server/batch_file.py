@@ -109,8 +109,7 @@ async def _run(front: AsyncEngine, line: _Line, media: MediaLoader) -> dict[str,
     req = line.request
     try:
         if isinstance(req, ChatCompletionRequest):
-            params = req.sampling_params(req.max_completion_tokens or req.max_tokens or front.max_model_len,
-                                         req.requested_logprobs())
+            params = req.params(front.max_model_len)
             reply = req.reply(parser_for(front.tokenizer))
             messages, urls = template_messages(req.messages)
             prompts: list[Any] = [ChatPrompt(messages, await media.load_all(urls), req.tool_definitions())]

@@ -320,6 +320,15 @@ class ChatCompletionRequest(_Sampling):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def explicit_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def params(self, max_model_len: int) -> SamplingParams:
+        """Its sampling parameters; without an explicit limit an answer may run to the end of the
+        context."""
+        return self.sampling_params(self.explicit_max_tokens or max_model_len, self.requested_logprobs())
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
