@@ -5,6 +5,8 @@ by their dequantized values (a quantized model is a model of its own)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from gguf_files import raw_blocks
 from transformers import LlavaForConditionalGeneration, MllamaForConditionalGeneration
 
 from mmkv import Engine, SamplingParams, native
@@ -12,6 +14,7 @@ from mmkv.models import MmkvVLM
 from mmkv.quantization import (Int4Weight, Int8Weight, Quantization, QuantizedLinear,
                                QuantizedLinearModule, quantize)
 from mmkv.quantization.linear import NATIVE_ROWS
+from mmkv.quantization.gguf import repack
 from mmkv.quantization.loading import quantizes
 from speculative import SpeculativeConfig
 from tiny_models import LEARNING, hf_greedy, load_hf
@@ -131,20 +134,24 @@ def test_bfloat16_rows_meet_the_weight_in_bfloat16(method, group, rows):
 def test_kernels_built_for_cpus_without_avx512_compute_the_same(tmp_path, monkeypatch, flags):
     """Built for CPUs without AVX-512 (the AVX2 loops) or without AVX2 and F16C too (plain C),
     the layers still compute with their dequantized weights, float32 rows and bfloat16 rows alike
-    (the bfloat16 kernel declines there and the float32 one runs)."""
+    (the bfloat16 kernel declines there and the float32 one runs): mmkv's own layouts and a GGUF
+    file's (two-level int4, int8 groups with offsets, int8 groups of 16)."""
     monkeypatch.setattr(native, "FLAGS", native.FLAGS + flags)
     monkeypatch.setenv("MMKV_NATIVE_CACHE", str(tmp_path))
     native.library.cache_clear()
+    torch.manual_seed(0)
+    weights = [quantize(torch.randn(37, 192), Quantization(method)) for method in METHODS]
+    weights += [repack(kind, raw_blocks(kind, 37, 256), 37, 256) for kind in (T.Q4_K, T.Q5_1, T.Q6_K)]
     try:
-        for method in METHODS:
+        for quantized in weights:
             for rows in (1, 5):
                 torch.manual_seed(rows)
-                w, bias, x = torch.randn(37, 192), torch.randn(37), torch.randn(rows, 192)
-                layer = QuantizedLinear(quantize(w, Quantization(method)), bias)
+                bias, x = torch.randn(37), torch.randn(rows, quantized.shape[1])
+                layer = QuantizedLinear(quantized, bias)
                 assert layer.kernels is not None
                 weight = layer.weight.dequantize().double()
                 expected = F.linear(x.double(), weight, bias.double())
-                assert torch.allclose(layer.native(x).double(), expected, atol=1e-4)
+                assert torch.allclose(layer.native(x).double(), expected, atol=1e-4 * expected.abs().max().item())
                 expected = F.linear(x.bfloat16().double(), weight, bias.double())  # out in bfloat16
                 assert torch.allclose(layer.native(x.bfloat16()).double(), expected, rtol=2 ** -7, atol=1e-3)
                 assert torch.equal(layer.dequantized(), layer.weight.dequantize())

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from mmkv import native
 from mmkv.models.packed_linear import PackedLinear, PlainLinear, make_linear, release
-from mmkv.quantization import QuantizedLinear, QuantizedLinearModule, concatenate
+from mmkv.quantization import QuantizedLinear, QuantizedLinearModule, concatenable, concatenate
 from mmkv.step_context import StepContext
 
 SUPPORTED = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
@@ -149,14 +149,30 @@ def fused_quantized(modules: list[QuantizedLinearModule]) -> QuantizedLinear:
     return QuantizedLinear(weight, bias)
 
 
+class SideBySide:
+    """Layers over one input that cannot share one weight (a checkpoint may quantize V to more
+    bits than Q and K, or leave one layer unquantized), each run on its own, their outputs side by
+    side as one layer's."""
+
+    def __init__(self, linears: list) -> None:
+        self.linears = linears
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([linear(x) for linear in self.linears], -1)
+
+
 def fused_linear(modules: list[torch.nn.Module],
-                 pack: bool) -> PackedLinear | PlainLinear | QuantizedLinear:
-    """One layer for several linear layers over the same input. Quantized layers fuse into one
-    quantized layer (``fused_quantized``). Packed, it holds the only copy of the weights (the
-    modules' are released); plain, the modules' parameters become views of its concatenated
-    weight, so they still run and nothing is stored twice."""
-    if all(isinstance(m, QuantizedLinearModule) for m in modules):
+                 pack: bool) -> PackedLinear | PlainLinear | QuantizedLinear | SideBySide:
+    """One layer for several linear layers over the same input. Quantized layers of one layout
+    fuse into one quantized layer (``fused_quantized``), of several run side by side. Packed, it
+    holds the only copy of the weights (the modules' are released); plain, the modules'
+    parameters become views of its concatenated weight, so they still run and nothing is stored
+    twice."""
+    quantized = [isinstance(m, QuantizedLinearModule) for m in modules]
+    if all(quantized) and concatenable([m.quantized for m in modules]):
         return fused_quantized(modules)
+    if any(quantized):
+        return SideBySide([m.linear if q else fused_linear([m], pack) for m, q in zip(modules, quantized)])
     weight, bias = _concatenate(modules)
     linear = make_linear(weight, bias, pack)
     if isinstance(linear, PackedLinear):

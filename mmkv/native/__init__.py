@@ -7,7 +7,7 @@ place (``mmkv.attention.native``), ``rms_norm.c`` normalises float32 rows in one
 ``rope_write.c`` rotates a fused layer's queries and keys and stores its K/V at the step's write
 slots, ``top_tokens.c`` finds each row's argmax and its probability for greedy decoding and
 drafting (``mmkv.sampler.top_tokens``), and ``quantized_linear.c`` multiplies a few rows by an int8
-or int4 weight, decoding it in registers (``mmkv.quantization.linear``). What each measured:
+or int4 weight (or int8 in groups), decoding it in registers (``mmkv.quantization.linear``). What each measured:
 docs/attention-and-kernels.md.
 
 Building. The library is compiled on first use (a CPU engine asks for it when it starts) with the
@@ -77,7 +77,8 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPI
 SYMBOLS = ("mmkv_paged_decode", "mmkv_rms_norm", "mmkv_rope_write", "mmkv_top_tokens",
            "mmkv_int8_linear", "mmkv_int4_linear", "mmkv_int8_linear_bf16", "mmkv_int4_linear_bf16",
            "mmkv_int8_dequantize", "mmkv_int4_dequantize", "mmkv_int8_dequantize_bf16",
-           "mmkv_int4_dequantize_bf16")
+           "mmkv_int4_dequantize_bf16", "mmkv_int8_group_linear", "mmkv_int8_group_dequantize",
+           "mmkv_int8_group_dequantize_bf16")
 
 log = logging.getLogger(__name__)
 

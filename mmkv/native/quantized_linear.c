@@ -4,11 +4,17 @@
  *
  *   int8: w[o][i] = codes[o][i] * scale[o]. The codes are widened to float32 and multiplied into
  *         per-row accumulators; the channel's scale multiplies the finished sum.
- *   int4: w[o][i] = q * scale[o][g] + offset[o][g] (g = i / group, float16 scale and offset),
- *         two codes per byte (input 2j in the low nibble, 2j + 1 in the high one). A group's
- *         weights are decoded to float32 once (q * scale + offset, fused) and used by every row,
- *         whose inputs are split into even and odd ones first so the low and high nibbles of a
- *         run of bytes meet their inputs in lane order.
+ *   int4: w[o][i] = q * scale[o][g] + offset[o][g] (g = i / group), two codes per byte (input
+ *         2j in the low nibble, 2j + 1 in the high one). A group's weights are decoded to
+ *         float32 once (q * scale + offset, fused) and used by every row, whose inputs are split
+ *         into even and odd ones first so the low and high nibbles of a run of bytes meet their
+ *         inputs in lane order.
+ *   int8 in groups: w[o][i] = codes[o][i] * scale[o][g] + offset[o][g], each code widened to
+ *         float32 and decoded with one fused multiply-add.
+ *
+ * A grouped layout's scales and offsets are group_values: float16 or float32, per group or in two
+ * levels (a value shared by k groups times an int8 code per group), expanded to float32 for a
+ * block of channels at a time (expand_groups) before its codes are read.
  *
  * Work items are blocks of output channels (OpenMP, static): a block's codes stay in cache while
  * every row of x (in tiles of up to four) passes over them, so each weight byte leaves memory
@@ -47,13 +53,13 @@
         }                                                                                        \
     } while (0)
 
-/* The body of an int4 kernel's channels [o, o + C): the block's scales and offsets widened to
- * float32 once (sc, mn: [C][groups]), then TILE (naming sc, mn, r and R) over the rows. */
-#define INT4_CHANNELS(TILE)                                                                      \
+/* The body of a grouped kernel's channels [o, o + C): the block's scales and offsets expanded
+ * to float32 once (sc, mn: [C][groups]), then TILE (naming sc, mn, r and R) over the rows. */
+#define GROUPED_CHANNELS(TILE)                                                                   \
     const int64_t groups = in / group;                                                           \
     float sc[CHANNEL_BLOCK * groups], mn[CHANNEL_BLOCK * groups];                                \
-    halves_to_floats(scale + o * groups, C * groups, sc);                                        \
-    halves_to_floats(offset + o * groups, C * groups, mn);                                       \
+    expand_groups(scale, o, C, groups, sc);                                                      \
+    expand_groups(offset, o, C, groups, mn);                                                     \
     OVER_ROW_TILES(rows, TILE)
 
 /* CHANNELS (a call naming o and C) over out's channels, blocks in parallel: whole blocks of
@@ -115,6 +121,42 @@ static void halves_to_floats(const uint16_t *restrict h, int64_t n, float *restr
         _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
 #endif
     for (; i < n; i++) f[i] = half_to_float(h[i]);
+}
+
+/* A grouped weight's scales (or offsets), mmkv/quantization/formats.py's group_values: group g
+ * of channel o has values[o][g / (groups / count)] times codes[o][g] (times 1 without codes). */
+typedef struct {
+    const void *values;   /* float16 or float32 [out][count]; NULL: every value is 0 */
+    const int8_t *codes;  /* int8 [out][groups], or NULL */
+    int64_t count;        /* values per channel, dividing groups */
+    int64_t float32;      /* 1: values are float32, 0: float16 */
+} group_values;
+
+/* Channels [o, o + channels)'s group values as float32 at out, [channels][groups]. */
+static void expand_groups(const group_values *v, int64_t o, int64_t channels, int64_t groups,
+                          float *restrict out) {
+    const int64_t n = channels * groups;
+    if (!v->values) {
+        memset(out, 0, sizeof(float) * n);
+        return;
+    }
+    const int64_t per = groups / v->count;
+    if (per == 1 && v->float32) {
+        memcpy(out, (const float *)v->values + o * groups, sizeof(float) * n);
+    } else if (per == 1) {
+        halves_to_floats((const uint16_t *)v->values + o * groups, n, out);
+    } else {
+        for (int64_t c = 0; c < channels; c++)
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t at = (o + c) * v->count + g / per;
+                out[c * groups + g] = v->float32 ? ((const float *)v->values)[at]
+                                                 : half_to_float(((const uint16_t *)v->values)[at]);
+            }
+    }
+    if (v->codes) {
+        const int8_t *q = v->codes + o * groups;
+        for (int64_t i = 0; i < n; i++) out[i] *= (float)q[i];
+    }
 }
 
 #if defined(__AVX512F__)
@@ -276,16 +318,16 @@ static inline __attribute__((always_inline)) void int4_tile(
 }
 
 static void int4_channels(const float *xs, int64_t rows, int64_t in, const uint8_t *codes,
-                          const uint16_t *scale, const uint16_t *offset, int64_t group,
+                          const group_values *scale, const group_values *offset, int64_t group,
                           const float *bias, float *y, int64_t out, int64_t o, const int C) {
-    INT4_CHANNELS(int4_tile(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, R));
+    GROUPED_CHANNELS(int4_tile(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, R));
 }
 
 /* Returns 0, or -1 (nothing computed) when a group is not a whole number of vector loads of
  * bytes (2 * LANES inputs) or does not divide the inputs. */
 int mmkv_int4_linear(const float *x, int64_t rows, int64_t in, const uint8_t *codes,
-                     const uint16_t *scale, const uint16_t *offset, int64_t group, const float *bias,
-                     float *y, int64_t out) {
+                     const group_values *scale, const group_values *offset, int64_t group,
+                     const float *bias, float *y, int64_t out) {
 #if defined(LANES)
     if (group % (2 * LANES)) return -1;
 #endif
@@ -294,6 +336,73 @@ int mmkv_int4_linear(const float *x, int64_t rows, int64_t in, const uint8_t *co
     if (!xs) return -1;
     OVER_CHANNEL_BLOCKS(out, int4_channels(xs, rows, in, codes, scale, offset, group, bias, y, out, o, C));
     free(xs);
+    return 0;
+}
+
+/* ---- int8 in groups ---------------------------------------------------------------------------- */
+
+/* Channels [o, o + C) for rows [r, r + R); sc and mn the block's scales and offsets as float32,
+ * [C][groups]. Each group's codes are decoded (q * scale + offset) a vector at a time. */
+static inline __attribute__((always_inline)) void int8_group_tile(
+    const float *restrict x, int64_t in, const int8_t *restrict codes, const float *restrict sc,
+    const float *restrict mn, int64_t group, const float *restrict bias, float *restrict y,
+    int64_t out, int64_t o, int64_t r, const int C, const int R) {
+    const int64_t groups = in / group;
+    float total[CHANNEL_BLOCK][ROW_TILE];
+#if defined(LANES)
+    vec acc[CHANNEL_BLOCK][ROW_TILE];
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) acc[c][k] = vzero();
+    for (int64_t g = 0; g < groups; g++) {
+        vec s[CHANNEL_BLOCK], m[CHANNEL_BLOCK];
+        for (int c = 0; c < C; c++) s[c] = vset1(sc[c * groups + g]), m[c] = vset1(mn[c * groups + g]);
+        for (int64_t i = g * group; i < (g + 1) * group; i += LANES) {
+            vec w[CHANNEL_BLOCK];
+            for (int c = 0; c < C; c++) {
+                const int8_t *p = codes + (o + c) * in + i;
+                PREFETCH_NEXT_BLOCK(p, C * in);
+                w[c] = vfma(vint8(p), s[c], m[c]);
+            }
+            for (int k = 0; k < R; k++) {
+                const vec xv = vload(x + (r + k) * in + i);
+                for (int c = 0; c < C; c++) acc[c][k] = vfma(xv, w[c], acc[c][k]);
+            }
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) total[c][k] = vsum(acc[c][k]);
+#else
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) {
+            float sum = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const float s = sc[c * groups + g], m = mn[c * groups + g];
+                for (int64_t i = g * group; i < (g + 1) * group; i++)
+                    sum += x[(r + k) * in + i] * ((float)codes[(o + c) * in + i] * s + m);
+            }
+            total[c][k] = sum;
+        }
+#endif
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) y[(r + k) * out + o + c] = total[c][k] + (bias ? bias[o + c] : 0.0f);
+}
+
+static void int8_group_channels(const float *x, int64_t rows, int64_t in, const int8_t *codes,
+                                const group_values *scale, const group_values *offset, int64_t group,
+                                const float *bias, float *y, int64_t out, int64_t o, const int C) {
+    GROUPED_CHANNELS(int8_group_tile(x, in, codes, sc, mn, group, bias, y, out, o, r, C, R));
+}
+
+/* Returns 0, or -1 (nothing computed) when a group is not a whole number of vector loads or does
+ * not divide the inputs. */
+int mmkv_int8_group_linear(const float *x, int64_t rows, int64_t in, const int8_t *codes,
+                           const group_values *scale, const group_values *offset, int64_t group,
+                           const float *bias, float *y, int64_t out) {
+#if defined(LANES)
+    if (group % LANES) return -1;
+#endif
+    if (group < 1 || in % group) return -1;
+    OVER_CHANNEL_BLOCKS(out, int8_group_channels(x, rows, in, codes, scale, offset, group, bias, y, out, o, C));
     return 0;
 }
 
@@ -383,9 +492,9 @@ static void int8_channels_bf16(const uint16_t *x, int64_t rows, int64_t in, cons
 }
 
 static void int4_channels_bf16(const uint16_t *xs, int64_t rows, int64_t in, const uint8_t *codes,
-                               const uint16_t *scale, const uint16_t *offset, int64_t group,
+                               const group_values *scale, const group_values *offset, int64_t group,
                                const float *bias, float *y, int64_t out, int64_t o, const int C) {
-    INT4_CHANNELS(int4_tile_bf16(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, R));
+    GROUPED_CHANNELS(int4_tile_bf16(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, R));
 }
 #endif
 
@@ -402,7 +511,7 @@ int mmkv_int8_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const int
 }
 
 int mmkv_int4_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const uint8_t *codes,
-                          const uint16_t *scale, const uint16_t *offset, int64_t group,
+                          const group_values *scale, const group_values *offset, int64_t group,
                           const float *bias, float *y, int64_t out) {
 #if defined(__AVX512BF16__)
     if (group % 32 || in % group || in % 64) return -1;
@@ -431,23 +540,28 @@ int mmkv_int8_dequantize(const int8_t *codes, const float *scale, int64_t out, i
     return 0;
 }
 
-/* Runs GROUP (a call naming q, bytes, s, m and row) over every group of an int4 weight, channels
- * in parallel: q the group's codes (bytes of them), s and m its scale and offset as float32, row
- * where its weights go in w. Returns -1 from the caller when group does not divide in. */
-#define OVER_INT4_GROUPS(codes, scale, offset, group, out, in, w, GROUP)                        \
+/* Runs GROUP (a call naming o, g, s, m and row) over every group of a grouped weight, channels
+ * in parallel: s and m the group's scale and offset as float32, row where its weights go in w.
+ * Returns -1 from the caller when group does not divide in. */
+#define OVER_GROUPS(scale, offset, group, out, in, w, GROUP)                                     \
     do {                                                                                         \
         if ((group) < 2 || (group) % 2 || (in) % (group)) return -1;                             \
-        const int64_t groups = (in) / (group), bytes = (group) / 2;                              \
+        const int64_t groups = (in) / (group);                                                   \
         _Pragma("omp parallel for schedule(static)")                                             \
-        for (int64_t o = 0; o < (out); o++)                                                      \
+        for (int64_t o = 0; o < (out); o++) {                                                    \
+            float sv[groups], mv[groups];                                                        \
+            expand_groups(scale, o, 1, groups, sv);                                              \
+            expand_groups(offset, o, 1, groups, mv);                                             \
             for (int64_t g = 0; g < groups; g++) {                                               \
-                const float s = half_to_float((scale)[o * groups + g]);                          \
-                const float m = half_to_float((offset)[o * groups + g]);                         \
-                const uint8_t *q = (codes) + o * ((in) / 2) + g * bytes;                         \
+                const float s = sv[g], m = mv[g];                                                \
                 __typeof__(w) row = (w) + o * (in) + g * (group);                                \
                 GROUP;                                                                           \
             }                                                                                    \
+        }                                                                                        \
     } while (0)
+
+/* An int4 group's codes: bytes of them, from channel o's group g. */
+#define INT4_GROUP_CODES (codes + o * (in / 2) + g * (group / 2)), (group / 2)
 
 static inline void int4_group(const uint8_t *restrict q, int64_t bytes, float s, float m,
                               float *restrict row) {
@@ -459,9 +573,9 @@ static inline void int4_group(const uint8_t *restrict q, int64_t bytes, float s,
 }
 
 /* w[o][i] = q * scale[o][g] + offset[o][g], float32 [out][in]; -1 when group does not divide in. */
-int mmkv_int4_dequantize(const uint8_t *codes, const uint16_t *scale, const uint16_t *offset,
+int mmkv_int4_dequantize(const uint8_t *codes, const group_values *scale, const group_values *offset,
                          int64_t group, int64_t out, int64_t in, float *w) {
-    OVER_INT4_GROUPS(codes, scale, offset, group, out, in, w, int4_group(q, bytes, s, m, row));
+    OVER_GROUPS(scale, offset, group, out, in, w, int4_group(INT4_GROUP_CODES, s, m, row));
     return 0;
 }
 
@@ -511,8 +625,31 @@ static inline void int4_group_bf16(const uint8_t *restrict q, int64_t bytes, flo
     }
 }
 
-int mmkv_int4_dequantize_bf16(const uint8_t *codes, const uint16_t *scale, const uint16_t *offset,
-                              int64_t group, int64_t out, int64_t in, uint16_t *w) {
-    OVER_INT4_GROUPS(codes, scale, offset, group, out, in, w, int4_group_bf16(q, bytes, s, m, row));
+int mmkv_int4_dequantize_bf16(const uint8_t *codes, const group_values *scale,
+                              const group_values *offset, int64_t group, int64_t out, int64_t in,
+                              uint16_t *w) {
+    OVER_GROUPS(scale, offset, group, out, in, w, int4_group_bf16(INT4_GROUP_CODES, s, m, row));
+    return 0;
+}
+
+/* w[o][i] = codes[o][i] * scale[o][g] + offset[o][g], float32 or bfloat16 [out][in]; -1 when
+ * group does not divide in. */
+int mmkv_int8_group_dequantize(const int8_t *codes, const group_values *scale,
+                               const group_values *offset, int64_t group, int64_t out, int64_t in,
+                               float *w) {
+    OVER_GROUPS(scale, offset, group, out, in, w, {
+        const int8_t *q = codes + o * in + g * group;
+        _Pragma("omp simd") for (int64_t j = 0; j < group; j++) row[j] = (float)q[j] * s + m;
+    });
+    return 0;
+}
+
+int mmkv_int8_group_dequantize_bf16(const int8_t *codes, const group_values *scale,
+                                    const group_values *offset, int64_t group, int64_t out,
+                                    int64_t in, uint16_t *w) {
+    OVER_GROUPS(scale, offset, group, out, in, w, {
+        const int8_t *q = codes + o * in + g * group;
+        for (int64_t j = 0; j < group; j++) row[j] = float_to_bfloat16((float)q[j] * s + m);
+    });
     return 0;
 }

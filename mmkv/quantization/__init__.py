@@ -2,9 +2,9 @@
 (``linear``) and quantizing a model while it loads (``loading``). docs/quantization.md says what
 each costs in accuracy and gains in speed and memory."""
 
-from mmkv.quantization.formats import (METHODS, Int4Weight, Int8Weight, Quantization, QuantizedWeight,
-                                       concatenate, quantize)
+from mmkv.quantization.formats import (METHODS, Int4Weight, Int8GroupWeight, Int8Weight, Quantization,
+                                       QuantizedWeight, concatenable, concatenate, quantize)
 from mmkv.quantization.linear import QuantizedLinear, QuantizedLinearModule
 
-__all__ = ["METHODS", "Int4Weight", "Int8Weight", "Quantization", "QuantizedLinear",
-           "QuantizedLinearModule", "QuantizedWeight", "concatenate", "quantize"]
+__all__ = ["METHODS", "Int4Weight", "Int8GroupWeight", "Int8Weight", "Quantization", "QuantizedLinear",
+           "QuantizedLinearModule", "QuantizedWeight", "concatenable", "concatenate", "quantize"]

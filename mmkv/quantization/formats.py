@@ -1,6 +1,6 @@
 """How mmkv stores a quantized linear weight, and the one rule that turns it back into floats.
 
-Two layouts, both weight-only (activations stay in the model's dtype):
+Three layouts, all weight-only (activations stay in the model's dtype):
 
 - ``Int8Weight``: symmetric, one scale per output channel. ``codes`` int8 ``[out, in]``,
   ``scale`` float32 ``[out]``; ``w[o, i] = codes[o, i] * scale[o]``. A channel's scale is its
@@ -12,6 +12,19 @@ Two layouts, both weight-only (activations stay in the model's dtype):
   ``g = i // group_size``, computed in float32. A group's offset is its smallest value and its
   scale its range over 15, both rounded to float16 before the codes are chosen, so each code is
   the nearest one under the stored scale and offset. At a group of 32 a weight takes 5 bits.
+- ``Int8GroupWeight``: int8 codes ``[out, in]`` with a scale and (optionally) an offset per group
+  of ``group_size`` inputs: ``w[o, i] = codes[o, i] * scale[o, g] + offset[o, g]``. mmkv does not
+  quantize to it; it holds the 5-, 6- and 8-bit groups of checkpoints quantized elsewhere (GGUF's
+  Q8_0, Q5_K and Q6_K: ``mmkv.quantization.gguf``).
+
+Group values in two levels. A checkpoint quantized elsewhere may store a group's scale (or offset)
+as a small integer times a value shared by several groups (a GGUF K-quant super-block's ``d`` times
+a 6-bit sub-scale). Such a weight keeps both as they are: ``scale`` holds the shared values
+``[out, groups / k]`` and ``scale_codes`` the int8 factors ``[out, groups]``, and group ``g``'s scale
+is ``scale[o, g // k] * scale_codes[o, g]`` (``group_values``); ``offset`` / ``offset_codes`` alike.
+Group values are float16 or float32: float16 where every value is exact in it (``exact_half``), so a
+repacked checkpoint takes no more bytes than its file and loses nothing. Every product is computed
+in float32, where a float16 value times a code of up to 8 bits is exact.
 
 Invariant: ``dequantize()`` is the weight the model computes with: every kernel that runs a
 quantized layer (``mmkv.quantization.linear``) gives ``x @ dequantize().T`` up to float rounding,
@@ -36,6 +49,8 @@ class Int8Weight:
     codes: torch.Tensor  # int8 [out, in]
     scale: torch.Tensor  # float32 [out]
 
+    method = "int8"
+
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
@@ -58,9 +73,13 @@ class Int4Weight:
     (the module docstring)."""
 
     codes: torch.Tensor  # uint8 [out, in / 2]
-    scale: torch.Tensor  # float16 [out, in / group_size]
-    offset: torch.Tensor  # float16 [out, in / group_size]
+    scale: torch.Tensor  # float16 (or float32) [out, in / group_size] (or [out, groups / k])
+    offset: torch.Tensor  # float16 (or float32) [out, in / group_size] (or [out, groups / k])
     group_size: int
+    scale_codes: torch.Tensor | None = None  # int8 [out, groups] for scales in two levels
+    offset_codes: torch.Tensor | None = None  # int8 [out, groups] for offsets in two levels
+
+    method = "int4"
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -68,7 +87,7 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.offset.nbytes
+        return _nbytes(self.codes, self.scale, self.offset, self.scale_codes, self.offset_codes)
 
     def unpacked_codes(self) -> torch.Tensor:
         """The codes as uint8 ``[out, in]``, one per byte."""
@@ -77,17 +96,80 @@ class Int4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out, features = self.shape
-        codes = self.unpacked_codes().float().view(out, -1, self.group_size)
-        w = codes * self.scale.float()[..., None] + self.offset.float()[..., None]
+        groups = features // self.group_size
+        codes = self.unpacked_codes().float().view(out, groups, self.group_size)
+        w = (codes * group_values(self.scale, self.scale_codes, groups)[..., None]
+             + group_values(self.offset, self.offset_codes, groups)[..., None])
         return w.view(out, features).to(dtype)
 
     def rows(self, start: int, end: int) -> Int4Weight:
         """Output channels ``[start, end)`` (views of this weight's tensors)."""
         return Int4Weight(self.codes[start:end], self.scale[start:end], self.offset[start:end],
-                          self.group_size)
+                          self.group_size, _rows(self.scale_codes, start, end),
+                          _rows(self.offset_codes, start, end))
 
 
-QuantizedWeight = Int8Weight | Int4Weight
+def group_values(values: torch.Tensor, codes: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """Each group's value as float32 ``[out, groups]``: ``values[o, g // k] * codes[o, g]`` with
+    ``k = groups / values.shape[1]`` (without ``codes``, ``values[o, g // k]``)."""
+    per = groups // values.shape[1]
+    expanded = values.float().repeat_interleave(per, 1) if per > 1 else values.float()
+    return expanded if codes is None else expanded * codes.float()
+
+
+def exact_half(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (float32) as float16 where every one of them is exact in it, else as they are."""
+    half = values.half()
+    return half if torch.equal(half.float(), values) else values
+
+
+def _rows(tensor: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    return None if tensor is None else tensor[start:end]
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.nbytes for t in tensors if t is not None)
+
+
+@dataclass(slots=True)
+class Int8GroupWeight:
+    """int8 codes with a scale and an optional offset per group of inputs, each in one or two
+    levels (the module docstring)."""
+
+    codes: torch.Tensor  # int8 [out, in]
+    scale: torch.Tensor  # float16 or float32 [out, groups / k]
+    group_size: int
+    offset: torch.Tensor | None = None  # float16 or float32 [out, groups / k], or none (0)
+    scale_codes: torch.Tensor | None = None  # int8 [out, groups], or none
+    offset_codes: torch.Tensor | None = None  # int8 [out, groups], or none
+
+    method = "int8_group"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.codes, self.scale, self.offset, self.scale_codes, self.offset_codes)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out, features = self.shape
+        groups = features // self.group_size
+        w = self.codes.float().view(out, groups, self.group_size) * group_values(
+            self.scale, self.scale_codes, groups)[..., None]
+        if self.offset is not None:
+            w = w + group_values(self.offset, self.offset_codes, groups)[..., None]
+        return w.view(out, features).to(dtype)
+
+    def rows(self, start: int, end: int) -> Int8GroupWeight:
+        """Output channels ``[start, end)`` (views of this weight's tensors)."""
+        return Int8GroupWeight(self.codes[start:end], self.scale[start:end], self.group_size,
+                               _rows(self.offset, start, end), _rows(self.scale_codes, start, end),
+                               _rows(self.offset_codes, start, end))
+
+
+QuantizedWeight = Int8Weight | Int4Weight | Int8GroupWeight
 
 METHODS = ("int8", "int4")
 
@@ -111,6 +193,10 @@ class Quantization:
                                       or self.group_size % 2):
             raise ValueError(f"quantization_group_size must be a positive even integer, got "
                              f"{self.group_size!r}")
+
+    def describe(self) -> str:
+        """What the weights are quantized to, in words: ``int8`` or ``int4 (group 32)``."""
+        return self.method if self.method == "int8" else f"{self.method} (group {self.group_size})"
 
     def method_for(self, in_features: int) -> str:
         """The layout a layer of ``in_features`` inputs is quantized to."""
@@ -168,11 +254,35 @@ def quantize(weight: torch.Tensor, quantization: Quantization) -> QuantizedWeigh
     return quantize_int4(weight, quantization.group_size)
 
 
+def _structure(weight: QuantizedWeight) -> tuple:
+    """What two weights must share to be one weight: layout, group size, and each group value's
+    dtype and levels."""
+    parts = [getattr(weight, name, None) for name in ("scale", "offset", "scale_codes", "offset_codes")]
+    return (type(weight), getattr(weight, "group_size", 0),
+            *[(None if t is None else (t.dtype, tuple(t.shape[1:]))) for t in parts])
+
+
+def concatenable(weights: list[QuantizedWeight]) -> bool:
+    """Whether ``weights`` share one layout, group size and kind of group values (``concatenate``
+    takes them)."""
+    return len({_structure(w) for w in weights}) == 1
+
+
+def select_rows(weight: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
+    """The weight whose output channel ``j`` is ``weight``'s channel ``index[j]`` (a reordering of
+    whole rows: every code, scale and offset moves with its row)."""
+    values = {name: getattr(weight, name) for name in weight.__slots__}
+    return type(weight)(**{name: value[index] if isinstance(value, torch.Tensor) else value
+                           for name, value in values.items()})
+
+
 def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """One weight whose output channels are those of ``weights`` in order (all of one layout and
-    group size): the layers of one input, run as one GEMM."""
+    """One weight whose output channels are those of ``weights`` in order (``concatenable`` ones):
+    the layers of one input, run as one GEMM."""
+    if not concatenable(weights):
+        raise ValueError("cannot concatenate quantized weights of different layouts")
     first = weights[0]
-    if isinstance(first, Int8Weight):
-        return Int8Weight(torch.cat([w.codes for w in weights]), torch.cat([w.scale for w in weights]))
-    return Int4Weight(torch.cat([w.codes for w in weights]), torch.cat([w.scale for w in weights]),
-                      torch.cat([w.offset for w in weights]), first.group_size)
+    fields = [name for name in first.__slots__ if isinstance(getattr(first, name), torch.Tensor)]
+    values = {name: getattr(first, name) for name in first.__slots__}
+    values.update({name: torch.cat([getattr(w, name) for w in weights]) for name in fields})
+    return type(first)(**values)

@@ -29,20 +29,30 @@ import torch
 import torch.nn.functional as F
 
 from mmkv import native
-from mmkv.quantization.formats import Int4Weight, Int8Weight, QuantizedWeight
+from mmkv.quantization.formats import (Int4Weight, Int8GroupWeight, Int8Weight, QuantizedWeight,
+                                       select_rows)
 
 NATIVE_ROWS = 16  # row counts up to this run natively on the CPU; more run dense
 
-_INT8_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-_INT4_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-              ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-_INT8_DEQUANTIZE_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                         ctypes.c_void_p]
-_INT4_DEQUANTIZE_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+_P = ctypes.c_void_p
+_INT8_ARGS = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, _P, ctypes.c_int64]
+_GROUPED_ARGS = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int64, _P, _P, ctypes.c_int64]
+_INT8_DEQUANTIZE_ARGS = [_P, _P, ctypes.c_int64, ctypes.c_int64, _P]
+_GROUPED_DEQUANTIZE_ARGS = [_P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _P]
 NATIVE_GROUP = 32  # an int4 group the native kernel runs must be a multiple of this
+NATIVE_INT8_GROUP = 16  # ... and an int8 group
 DEQUANTIZED_DTYPES = (torch.float32, torch.bfloat16)  # what the native dequantization writes
+KERNELS = {  # each layout's kernels: float32 rows, bfloat16 rows, dequantized to float32, to bfloat16
+    "int8": (("mmkv_int8_linear", _INT8_ARGS), ("mmkv_int8_linear_bf16", _INT8_ARGS),
+             ("mmkv_int8_dequantize", _INT8_DEQUANTIZE_ARGS),
+             ("mmkv_int8_dequantize_bf16", _INT8_DEQUANTIZE_ARGS)),
+    "int4": (("mmkv_int4_linear", _GROUPED_ARGS), ("mmkv_int4_linear_bf16", _GROUPED_ARGS),
+             ("mmkv_int4_dequantize", _GROUPED_DEQUANTIZE_ARGS),
+             ("mmkv_int4_dequantize_bf16", _GROUPED_DEQUANTIZE_ARGS)),
+    "int8_group": (("mmkv_int8_group_linear", _GROUPED_ARGS), None,
+                   ("mmkv_int8_group_dequantize", _GROUPED_DEQUANTIZE_ARGS),
+                   ("mmkv_int8_group_dequantize_bf16", _GROUPED_DEQUANTIZE_ARGS)),
+}
 
 _BUFFERS = threading.local()  # each thread's buffers for a dequantized weight, by dtype
 
@@ -57,24 +67,33 @@ def dequantize_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buffer[:numel]
 
 
+class GroupValues(ctypes.Structure):
+    """``quantized_linear.c``'s ``group_values``: a grouped weight's scales or offsets as
+    ``formats.group_values`` reads them (no values: every one is 0)."""
+
+    _fields_ = [("values", _P), ("codes", _P), ("count", ctypes.c_int64), ("float32", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, values: torch.Tensor | None, codes: torch.Tensor | None) -> GroupValues:
+        if values is None:
+            return cls(None, None, 1, 1)
+        return cls(values.data_ptr(), None if codes is None else codes.data_ptr(), values.shape[1],
+                   int(values.dtype == torch.float32))
+
+
 def native_kernels(weight: QuantizedWeight) -> tuple | None:
     """The native kernels that run ``weight`` (its linear layer on float32 rows, on bfloat16
-    rows, its dequantization), or None (not on the CPU, no library, or an int4 group size the
-    kernel does not take)."""
+    rows or None, its dequantization to float32 and to bfloat16), or None (not on the CPU, no
+    library, or a group size or group values the kernels do not take)."""
     if weight.codes.device.type != "cpu":
         return None
-    if isinstance(weight, Int8Weight):
-        kernels = (native.function("mmkv_int8_linear", _INT8_ARGS),
-                   native.function("mmkv_int8_linear_bf16", _INT8_ARGS),
-                   native.function("mmkv_int8_dequantize", _INT8_DEQUANTIZE_ARGS),
-                   native.function("mmkv_int8_dequantize_bf16", _INT8_DEQUANTIZE_ARGS))
-    elif weight.group_size % NATIVE_GROUP:
-        return None
-    else:
-        kernels = (native.function("mmkv_int4_linear", _INT4_ARGS),
-                   native.function("mmkv_int4_linear_bf16", _INT4_ARGS),
-                   native.function("mmkv_int4_dequantize", _INT4_DEQUANTIZE_ARGS),
-                   native.function("mmkv_int4_dequantize_bf16", _INT4_DEQUANTIZE_ARGS))
+    if isinstance(weight, (Int4Weight, Int8GroupWeight)):
+        multiple = NATIVE_GROUP if isinstance(weight, Int4Weight) else NATIVE_INT8_GROUP
+        values = [v for v in (weight.scale, weight.offset) if v is not None]
+        if weight.group_size % multiple or any(
+                v.dtype not in (torch.float16, torch.float32) or not v.is_contiguous() for v in values):
+            return None
+    kernels = tuple(None if spec is None else native.function(*spec) for spec in KERNELS[weight.method])
     return None if kernels[0] is None else kernels
 
 
@@ -86,8 +105,14 @@ class QuantizedLinear:
         self.bias = None if bias is None else bias.detach()
         self.bias32 = None if bias is None else bias.detach().float().contiguous()
         self.kernels = native_kernels(weight)
-        self.bfloat16_kernel = self.kernels is not None  # until the kernel says it cannot
+        self.bfloat16_kernel = self.kernels is not None and self.kernels[1] is not None  # until it declines
         self.out_features, self.in_features = weight.shape
+        if isinstance(weight, Int8Weight):
+            self.layout = (weight.scale.data_ptr(),)
+        else:  # the group values the kernels read, and the group size
+            self.group_values = (GroupValues.of(weight.scale, weight.scale_codes),
+                                 GroupValues.of(weight.offset, weight.offset_codes))
+            self.layout = (*map(ctypes.addressof, self.group_values), weight.group_size)
 
     @property
     def nbytes(self) -> int:
@@ -103,15 +128,11 @@ class QuantizedLinear:
         built (float32 or bfloat16; valid until this thread's next call), else a new tensor."""
         if self.kernels is None or dtype not in DEQUANTIZED_DTYPES:
             return self.weight.dequantize(dtype)
-        w, kernel = self.weight, self.kernels[2 if dtype == torch.float32 else 3]
+        kernel = self.kernels[2 if dtype == torch.float32 else 3]
         out = dequantize_buffer(self.out_features * self.in_features, dtype)
         out = out.view(self.out_features, self.in_features)
-        if isinstance(w, Int8Weight):
-            kernel(w.codes.data_ptr(), w.scale.data_ptr(), self.out_features, self.in_features,
-                   out.data_ptr())
-        else:
-            kernel(w.codes.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), w.group_size,
-                   self.out_features, self.in_features, out.data_ptr())
+        kernel(self.weight.codes.data_ptr(), *self.layout, self.out_features, self.in_features,
+               out.data_ptr())
         return out
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,28 +148,26 @@ class QuantizedLinear:
                 return y.to(x.dtype)
             self.bfloat16_kernel = False
         y = self.run_kernel(self.kernels[0], x.float().contiguous())
+        if y is None:  # the kernel declines the shape: the dense way from now on
+            self.kernels = None
+            return self.dense(x)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def run_kernel(self, kernel, rows: torch.Tensor) -> torch.Tensor | None:
         """float32 ``rows @ w.T + bias`` by ``kernel``, or None where it declines the shape."""
         y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         bias = 0 if self.bias32 is None else self.bias32.data_ptr()
-        w = self.weight
-        if isinstance(w, Int8Weight):
-            status = kernel(rows.data_ptr(), rows.shape[0], self.in_features, w.codes.data_ptr(),
-                            w.scale.data_ptr(), bias, y.data_ptr(), self.out_features)
-        else:
-            status = kernel(rows.data_ptr(), rows.shape[0], self.in_features, w.codes.data_ptr(),
-                            w.scale.data_ptr(), w.offset.data_ptr(), w.group_size, bias, y.data_ptr(),
-                            self.out_features)
+        status = kernel(rows.data_ptr(), rows.shape[0], self.in_features, self.weight.codes.data_ptr(),
+                        *self.layout, bias, y.data_ptr(), self.out_features)
         return y if status == 0 else None
 
 
 class QuantizedLinearModule(torch.nn.Module):
     """An ``nn.Linear`` whose weight is quantized, with ``nn.Linear``'s ``forward`` contract over
-    any leading dimensions: ``weight`` holds the codes, the buffers ``scale`` (and ``offset``)
-    the rest of the layout, so ``.to(device)`` moves all of it. (``weight`` keeps nn.Linear's name
-    so a checkpoint's key finds it while loading; its float value never stays.)"""
+    any leading dimensions: ``weight`` holds the codes, the buffers ``scale`` (and ``offset``,
+    ``scale_codes``, ``offset_codes`` where the layout has them) the rest of the layout, so
+    ``.to(device)`` moves all of it. (``weight`` keeps nn.Linear's name so a checkpoint's key
+    finds it while loading; its float value never stays.)"""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, method: str,
                  group_size: int) -> None:
@@ -158,6 +177,8 @@ class QuantizedLinearModule(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.register_buffer("scale", torch.empty(0))
         self.register_buffer("offset", torch.empty(0) if method == "int4" else None)
+        self.register_buffer("scale_codes", None)
+        self.register_buffer("offset_codes", None)
         self.bias = torch.nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._linear: QuantizedLinear | None = None
 
@@ -172,9 +193,8 @@ class QuantizedLinearModule(torch.nn.Module):
     def of(cls, weight: QuantizedWeight, bias: torch.Tensor | None) -> QuantizedLinearModule:
         """A layer over a quantized weight (and a float bias)."""
         out_features, in_features = weight.shape
-        int4 = isinstance(weight, Int4Weight)
-        module = cls(in_features, out_features, bias is not None, "int4" if int4 else "int8",
-                     weight.group_size if int4 else 0)
+        module = cls(in_features, out_features, bias is not None, weight.method,
+                     getattr(weight, "group_size", 0))
         for name, tensor in cls.state_of("", weight).items():
             module.set_tensor(name.lstrip("."), tensor)
         if bias is not None:
@@ -184,9 +204,10 @@ class QuantizedLinearModule(torch.nn.Module):
     @staticmethod
     def state_of(prefix: str, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         """The module's tensors for ``weight``, under ``prefix``."""
-        state = {f"{prefix}.weight": weight.codes, f"{prefix}.scale": weight.scale}
-        if isinstance(weight, Int4Weight):
-            state[f"{prefix}.offset"] = weight.offset
+        state = {f"{prefix}.weight": weight.codes}
+        for name in ("scale", "offset", "scale_codes", "offset_codes"):
+            if getattr(weight, name, None) is not None:
+                state[f"{prefix}.{name}"] = getattr(weight, name)
         return state
 
     def set_tensor(self, name: str, tensor: torch.Tensor) -> None:
@@ -200,7 +221,10 @@ class QuantizedLinearModule(torch.nn.Module):
     def quantized(self) -> QuantizedWeight:
         if self.method == "int8":
             return Int8Weight(self.weight.data, self.scale)
-        return Int4Weight(self.weight.data, self.scale, self.offset, self.group_size)
+        codes = {"scale_codes": self.scale_codes, "offset_codes": self.offset_codes}
+        if self.method == "int4":
+            return Int4Weight(self.weight.data, self.scale, self.offset, self.group_size, **codes)
+        return Int8GroupWeight(self.weight.data, self.scale, self.group_size, self.offset, **codes)
 
     @property
     def linear(self) -> QuantizedLinear:
@@ -222,10 +246,32 @@ class QuantizedLinearModule(torch.nn.Module):
         return self.linear(flat).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.method == "int4" else ""
+        group = f", group_size={self.group_size}" if self.method != "int8" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"method={self.method}{group}, bias={self.bias is not None}")
 
 
-__all__ = ["Int4Weight", "Int8Weight", "NATIVE_ROWS", "QuantizedLinear", "QuantizedLinearModule",
+class QuantizedEmbedding(torch.nn.Module):
+    """An embedding table held quantized (a GGUF file's token embeddings): a lookup dequantizes
+    only the rows it reads, into ``dtype``. Its tensors live in ``layer``, a
+    ``QuantizedLinearModule`` over the same weight, which a tied LM head runs as it is."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer = QuantizedLinearModule.of(weight, None)
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        """The codes (what a tied head shares)."""
+        return self.layer.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = select_rows(self.layer.quantized, ids.reshape(-1))
+        return rows.dequantize(self.dtype).view(*ids.shape, self.embedding_dim)
+
+
+__all__ = ["Int4Weight", "Int8GroupWeight", "Int8Weight", "NATIVE_ROWS", "QuantizedEmbedding",
+           "QuantizedLinear", "QuantizedLinearModule",
            "native_kernels"]
