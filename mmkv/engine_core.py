@@ -98,6 +98,7 @@ class EngineCore:
                                           shared=enable_prefix_caching)
                          if self.model.cross_layers else None)
         self.max_model_len = min(max_model_len or self.model.max_model_len, self.model.max_model_len)
+        self.quantization = self.model.weights_format or (weights and weights.describe())
         self.preparer = RequestPreparer(self.model, Path(model), self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.attention, self.image_kv,
                                   self.attention_planning, speculative, draft, check_bounds=debug)

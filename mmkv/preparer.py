@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from cache import KVCache
 from mmkv.models import ModelAdapter, MRopePositions
+from mmkv.models.gguf_lm import gguf_file
 from mmkv.sampling_params import SamplingParams
 from mmkv.sequence import SeqImage
 from mmkv.structured import Constraint, GrammarCache
@@ -265,7 +266,10 @@ def _message_texts(messages: list[dict[str, Any]]) -> list[str]:
 
 
 def load_tokenizer(path: Path, config) -> Any:
-    """The model directory's tokenizer, or None when it has none (prompts are token ids then)."""
+    """The model directory's tokenizer (a GGUF file's, from its metadata), or None when it has
+    none (prompts are token ids then)."""
+    if (file := gguf_file(path)) is not None:
+        return AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     return AutoTokenizer.from_pretrained(path, config=config)

@@ -55,7 +55,8 @@ class EngineReplica:
             self._stop.wait(HEARTBEAT_S)
 
     def describe(self) -> ReplicaInfo:
-        return ReplicaInfo(self.front.engine.tokenizer, self.front.engine.max_model_len)
+        engine = self.front.engine
+        return ReplicaInfo(engine.tokenizer, engine.max_model_len, engine.quantization)
 
     async def generate(self, prompts: list, params: SamplingParams, cache_salt: str | None,
                        stream: bool, strict_max_tokens: bool = False, affinity: RouteKey | None = None):

@@ -31,10 +31,12 @@ STALE_S = 2.0  # a replica silent for this long (8 heartbeats) counts as down
 
 
 class ReplicaInfo(NamedTuple):
-    """What the ingress learns from a replica once: its tokenizer and its context length."""
+    """What the ingress learns from a replica once: its tokenizer, its context length and how its
+    weights are stored."""
 
     tokenizer: Any
     max_model_len: int
+    quantization: str | None
 
 
 class ReplicaSetFront:
@@ -50,11 +52,12 @@ class ReplicaSetFront:
         self.prefix_tokens = prefix_tokens
         self.tokenizer: Any = None
         self.max_model_len = 0
+        self.quantization: str | None = None
         self.prefix_chars = 0
 
     async def open(self) -> None:
         info: ReplicaInfo = await self.handle.describe.remote()
-        self.tokenizer, self.max_model_len = info.tokenizer, info.max_model_len
+        self.tokenizer, self.max_model_len, self.quantization = info
         # a route reads a prompt's first tokens: these many characters always hold them
         self.prefix_chars = self.prefix_tokens * longest_token(self.tokenizer)
 

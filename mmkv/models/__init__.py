@@ -1,4 +1,5 @@
-"""Model families mmkv serves, chosen by ``model_type`` in the directory's config.json."""
+"""Model families mmkv serves, chosen by ``model_type`` in the directory's config.json, or by
+the architecture a GGUF file names (``mmkv.models.gguf_lm``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from mmkv.models.base import (ATTENTION_NAME, ImagePlacement, ModelAdapter, Mode
                               read_config_json, resolve_device)
 from mmkv.models.causal_lm import TEXT_FAMILIES, load_causal_lm
 from mmkv.models.cross_attention import CrossAttentionAdapter, load_mllama
+from mmkv.models.gguf_lm import gguf_file, load_gguf_lm
 from mmkv.models.llava import LlavaAdapter, load_llava
 from mmkv.models.mmkv_vlm import MODEL_TYPE as MMKV_VLM, MmkvVLM, load_mmkv_vlm
 from mmkv.models.mrope import MRopePositions
@@ -22,10 +24,15 @@ FAMILIES = (*TEXT_FAMILIES, "llava", "mllama", *QWEN_VL_FAMILIES, MMKV_VLM)
 
 def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype,
                quantization: Quantization | None = None) -> ModelAdapter:
-    """Load the model in ``path`` (Hugging Face layout) for ``device``, its linear layers
-    quantized as ``quantization`` says (``mmkv.quantization``); ``ModelLoadError`` when the
-    directory is missing, corrupt or of a family mmkv does not serve."""
+    """Load the model in ``path`` (Hugging Face layout, or a GGUF file) for ``device``, its
+    linear layers quantized as ``quantization`` says (``mmkv.quantization``; a GGUF file's are
+    quantized already, so it takes none); ``ModelLoadError`` when the directory is missing,
+    corrupt or of a family mmkv does not serve."""
     path = Path(path)
+    if (file := gguf_file(path)) is not None:
+        if quantization is not None:
+            raise ValueError(f"{file.name} is quantized already (GGUF); load it without quantization")
+        return load_gguf_lm(file, device, dtype)
     raw = read_config_json(path)
     family = raw["model_type"]
     hf_logging.disable_progress_bar()

@@ -150,6 +150,7 @@ class ModelAdapter:
     chat_questions: bool = False  # ask() puts each question in the model's chat template
     early_exit_layer: int | None = None  # layers trained to draft through the final head
     quantization: Quantization | None = None  # how the linear layers were quantized at load
+    weights_format: str | None = None  # how a checkpoint quantized elsewhere stores them ("gguf Q4_K_M")
 
     def __post_init__(self) -> None:
         self.model.to(self.device).eval()
@@ -187,9 +188,12 @@ class ModelAdapter:
         self._embedding = embedding if type(embedding) is torch.nn.Embedding and embedding.max_norm is None else None
 
     def make_head(self) -> PackedLinear | PlainLinear | QuantizedLinear:
-        """The LM head as it runs: quantized to int8 when ``quantization.lm_head`` asks (the
-        module's own weight released unless the embeddings share it), else packed or plain."""
+        """The LM head as it runs: quantized as the checkpoint quantized it, or to int8 when
+        ``quantization.lm_head`` asks (the module's own weight released unless the embeddings
+        share it), else packed or plain."""
         head = self.lm_head
+        if isinstance(head, QuantizedLinearModule):  # a checkpoint's quantized head, as it came
+            return head.linear
         tied = head.weight is self.text_model.embed_tokens.weight
         if self.quantization is not None and self.quantization.lm_head:
             linear = QuantizedLinear(quantize_int8(head.weight), head.bias)

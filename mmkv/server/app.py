@@ -62,10 +62,12 @@ class _ClientGone(Exception):
 class Front(Protocol):
     """What the app runs requests on: one engine (``AsyncEngine``) or a set of engine replicas
     (``mmkv.distributed.serve_front.ReplicaSetFront``). ``tokenizer`` and ``max_model_len`` are
-    valid once ``open`` has returned."""
+    valid once ``open`` has returned, as is ``quantization`` (how the weights are stored:
+    ``int4 (group 32)``, ``gguf Q4_K_M``; None for the checkpoint's own floats)."""
 
     tokenizer: Any
     max_model_len: int
+    quantization: str | None
     admission: Admission
 
     async def open(self) -> None: ...
@@ -145,7 +147,8 @@ def build_app(front: Front, settings: ServerSettings, media: MediaLoader | None 
 
     def model_card() -> dict[str, Any]:
         return {"id": settings.served_model_name, "object": "model", "created": 0,
-                "owned_by": "mmkv", "max_model_len": front.max_model_len}
+                "owned_by": "mmkv", "max_model_len": front.max_model_len,
+                "quantization": front.quantization}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -150,6 +150,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def quantization(self) -> str | None:
+        return self.engine.quantization
+
     async def open(self) -> None:
         self.start()
 
