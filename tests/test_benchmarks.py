@@ -555,9 +555,9 @@ def test_kv_dtype_bench_holds_more_documents_in_compressed_pools():
 
 
 def test_weights_bench_runs_every_variant_in_its_own_process():
-    """bfloat16, int8 and int4 (and llama.cpp's four files where installed) each load in a process
-    of their own: weights and peak memory per variant, both workloads' times, the ratios the docs
-    quote, and greedy agreement with bfloat16."""
+    """bfloat16, int8 and int4 (and llama.cpp's four files where installed, two of them loaded by
+    mmkv too) each load in a process of their own: weights and peak memory per variant, both
+    workloads' times, the ratios the docs quote, and greedy agreement with bfloat16."""
     result = bench("weights", "--hidden", "128", "--layers", "2", "--prompts", "2", "--prompt-tokens",
                    "8", "--new-tokens", "4", "--prefix-requests", "2", "--prefix-tokens", "24",
                    "--suffix-tokens", "4", "--prefix-new-tokens", "3", "--repeats", "1",
@@ -570,6 +570,10 @@ def test_weights_bench_runs_every_variant_in_its_own_process():
     assert result["decode_int4_vs_mmkv_bf16"] > 0 and 0 <= result["greedy_agreement_int4"] <= 1
     if llama_cpp_peer.available() is None:
         assert result["decode_int4_vs_llama_cpp_q4_k_m"] > 0 and result["rss_int4_vs_llama_cpp_q4_k_m"] > 0
+        for field in ("decode_gguf_q4_k_m_vs_llama_cpp", "prefix_gguf_q4_k_m_vs_llama_cpp",
+                      "rss_gguf_q4_k_m_vs_llama_cpp", "decode_gguf_q8_0_vs_llama_cpp"):
+            assert result[field] > 0
+        assert 0 <= result["greedy_agreement_gguf_q4_k_m"] <= 1
     else:
         assert result["llama_cpp"] == llama_cpp_peer.available()
 

@@ -5,7 +5,9 @@ The model is a seeded random Llama in TinyLlama-1.1B's shape (hidden 2048, 22 la
 bfloat16. mmkv loads it with ``dtype="bfloat16"`` as it is, and with ``quantization="int8"`` /
 ``"int4"`` (groups of 32; the embeddings and the head stay bfloat16). llama.cpp (``--peers
 llama.cpp``, installed by ``make bench-peers``) runs the same weights converted by its own
-converter to F16 and quantized by its own quantizer (``llama_cpp_peer.quantize``).
+converter to F16 and quantized by its own quantizer (``llama_cpp_peer.quantize``); mmkv also
+loads llama.cpp's Q4_K_M and Q8_0 files themselves (``gguf_q4_k_m``, ``gguf_q8_0``: the same file,
+repacked into mmkv's layouts at load, ``mmkv.models.gguf_lm``).
 
 Two greedy workloads, each run by every variant in turn, ``--repeats`` rounds (each round in an
 order rotated by one), every run from an empty cache:
@@ -51,6 +53,7 @@ from mmkv.bench import llama_cpp_peer, rotated
 MMKV_VARIANTS = {"bf16": None, "int8": "int8", "int4": "int4"}
 PEER_VARIANTS = {"llama_cpp_f16": "f16", "llama_cpp_q8_0": "q8_0", "llama_cpp_q4_0": "q4_0",
                  "llama_cpp_q4_k_m": "q4_k_m"}
+GGUF_VARIANTS = {"gguf_q4_k_m": "llama_cpp_q4_k_m", "gguf_q8_0": "llama_cpp_q8_0"}  # mmkv on the peer's file
 RATIOS = {  # field: (llama.cpp variant, mmkv variant, workload)
     "decode_int4_vs_llama_cpp_q4_k_m": ("llama_cpp_q4_k_m", "int4", "decode"),
     "decode_int4_vs_llama_cpp_q4_0": ("llama_cpp_q4_0", "int4", "decode"),
@@ -60,6 +63,10 @@ RATIOS = {  # field: (llama.cpp variant, mmkv variant, workload)
     "prefix_int8_vs_llama_cpp_q8_0": ("llama_cpp_q8_0", "int8", "prefix"),
     "decode_int4_vs_mmkv_bf16": ("bf16", "int4", "decode"),
     "decode_int8_vs_mmkv_bf16": ("bf16", "int8", "decode"),
+    "decode_gguf_q4_k_m_vs_llama_cpp": ("llama_cpp_q4_k_m", "gguf_q4_k_m", "decode"),
+    "prefix_gguf_q4_k_m_vs_llama_cpp": ("llama_cpp_q4_k_m", "gguf_q4_k_m", "prefix"),
+    "decode_gguf_q8_0_vs_llama_cpp": ("llama_cpp_q8_0", "gguf_q8_0", "decode"),
+    "prefix_gguf_q8_0_vs_llama_cpp": ("llama_cpp_q8_0", "gguf_q8_0", "prefix"),
 }
 
 
@@ -153,9 +160,12 @@ def context_tokens(work: dict) -> tuple[int, int]:
 def open_mmkv(model_dir: Path, quantization: str | None, work: dict):
     """An engine whose KV pool holds what llama.cpp's context does (``context_tokens``)."""
     from mmkv import Engine, SamplingParams
+    from mmkv.models.gguf_lm import gguf_file
     from transformers import AutoConfig
 
-    c = AutoConfig.from_pretrained(model_dir)
+    file = gguf_file(model_dir)
+    c = (AutoConfig.from_pretrained(model_dir) if file is None
+         else AutoConfig.from_pretrained(file.parent, gguf_file=file.name))
     per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 2
     sequences, length = context_tokens(work)
     engine = Engine(model_dir, dtype="bfloat16", quantization=quantization,
@@ -262,8 +272,11 @@ def run(args: argparse.Namespace) -> dict:
         model_dir = save_model(Path(tmp) / "model", args)
         sources = {v: ("mmkv", str(model_dir), MMKV_VARIANTS[v]) for v in variants}
         if args.peers and not missing:
-            for variant, path in peer_files(model_dir, Path(tmp) / "gguf").items():
+            files = peer_files(model_dir, Path(tmp) / "gguf")
+            for variant, path in files.items():
                 sources[variant] = ("llama.cpp", str(path), None)
+            for variant, peer in GGUF_VARIANTS.items():
+                sources[variant] = ("mmkv", str(files[peer]), None)
         result.update(compare(sources, work, args.repeats))
     return result
 
@@ -336,4 +349,7 @@ def compare(sources: dict[str, tuple], work: dict, repeats: int) -> dict:
     for bits, peer in (("int4", "llama_cpp_q4_k_m"), ("int8", "llama_cpp_q8_0"), ("bf16", "llama_cpp_f16")):
         if f"rss_{bits}" in out and f"rss_{peer}" in out:
             out[f"rss_{bits}_vs_{peer}"] = round(out[f"rss_{bits}"] / out[f"rss_{peer}"], 3)
+    for name, peer in GGUF_VARIANTS.items():
+        if f"rss_{name}" in out and f"rss_{peer}" in out:
+            out[f"rss_{name}_vs_llama_cpp"] = round(out[f"rss_{name}"] / out[f"rss_{peer}"], 3)
     return out

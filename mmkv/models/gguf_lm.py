@@ -14,7 +14,9 @@ file, memory-mapped by the ``gguf`` package, one tensor at a time:
   their rows are put back in transformers' order (a reordering of whole rows, exact on codes).
 
 After each tensor its pages of the mapping are released (``madvise``), so the file's bytes never
-stay resident beside the repacked copy: peak memory is the loaded model plus the tensor in flight.
+stay resident beside the repacked copy, and the reader's parsed metadata is dropped once the
+configuration is read: peak memory is the loaded model plus a few MiB of the tensor in flight
+(``python -m mmkv.bench weights --peers llama.cpp`` reports ``load_rss_gguf_*``).
 Invariant: the model computes with exactly the weights ``gguf.quants.dequantize`` gives for the
 file (transformers' GGUF loading dequantizes to the same values: the oracle). Before anything is
 loaded, an unsupported architecture, tensor type or split file is a ``ValueError`` naming it.
@@ -31,6 +33,7 @@ from gguf import GGUFReader, LlamaFileType
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
+from mmkv.heap import release_free_heap
 from mmkv.models.base import ATTENTION_NAME, ModelAdapter, ModelLoadError, resolve_dtype
 from mmkv.quantization.formats import select_rows
 from mmkv.quantization.gguf import QUANTIZED_TYPES, check_type, read_float, repack
@@ -109,8 +112,10 @@ def load_gguf_lm(file: Path, device: torch.device, dtype: str | torch.dtype) -> 
         reader = GGUFReader(file)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read GGUF file {str(file)!r}: {err}") from err
-    architecture = check_file(reader, file)
+    architecture, described = check_file(reader, file), weights_format(reader)
+    reader.fields.clear()  # the metadata's per-token views (tens of MiB for a large vocabulary)
     config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+    release_free_heap()  # what parsing the metadata again for the config left
     dtype = resolve_dtype(dtype, None, device)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
@@ -155,7 +160,6 @@ def load_gguf_lm(file: Path, device: torch.device, dtype: str | torch.dtype) -> 
     if missing:
         raise ModelLoadError(f"GGUF file {file.name} lacks {len(missing)} tensors "
                              f"({', '.join(missing[:3])}, ...)")
-    described = weights_format(reader)
     del reader, mapping
     return ModelAdapter(model=model, text_model=model.model, lm_head=model.lm_head,
                         text_config=model.config, device=device, dtype=dtype,

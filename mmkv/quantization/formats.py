@@ -22,9 +22,8 @@ as a small integer times a value shared by several groups (a GGUF K-quant super-
 a 6-bit sub-scale). Such a weight keeps both as they are: ``scale`` holds the shared values
 ``[out, groups / k]`` and ``scale_codes`` the int8 factors ``[out, groups]``, and group ``g``'s scale
 is ``scale[o, g // k] * scale_codes[o, g]`` (``group_values``); ``offset`` / ``offset_codes`` alike.
-Group values are float16 or float32: float16 where every value is exact in it (``exact_half``), so a
-repacked checkpoint takes no more bytes than its file and loses nothing. Every product is computed
-in float32, where a float16 value times a code of up to 8 bits is exact.
+Group values are float16 (as the checkpoint stores them) or float32. Every product is computed in
+float32, where a float16 value times a code of up to 8 bits is exact.
 
 Invariant: ``dequantize()`` is the weight the model computes with: every kernel that runs a
 quantized layer (``mmkv.quantization.linear``) gives ``x @ dequantize().T`` up to float rounding,
@@ -117,18 +116,13 @@ def group_values(values: torch.Tensor, codes: torch.Tensor | None, groups: int) 
     return expanded if codes is None else expanded * codes.float()
 
 
-def exact_half(values: torch.Tensor) -> torch.Tensor:
-    """``values`` (float32) as float16 where every one of them is exact in it, else as they are."""
-    half = values.half()
-    return half if torch.equal(half.float(), values) else values
-
-
 def _rows(tensor: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
     return None if tensor is None else tensor[start:end]
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.nbytes for t in tensors if t is not None)
+    """Bytes of the tensors, one shared by two fields (a scale that is also an offset's) once."""
+    return sum({id(t): t.nbytes for t in tensors if t is not None}.values())
 
 
 @dataclass(slots=True)

@@ -7,7 +7,8 @@ A GGUF row of ``cols`` weights is a run of blocks; each block type maps onto a l
 =========  ==========================================  =========================================
 type       block (weights, what it stores)             mmkv layout
 =========  ==========================================  =========================================
-Q4_0       32: d, 4-bit q; ``w = d (q - 8)``             int4, group 32: scale d, offset -8d
+Q4_0       32: d, 4-bit q; ``w = d (q - 8)``             int4, group 32: scale d, offset d x -8
+                                                        (the same d)
 Q4_1       32: d, m, 4-bit q; ``w = d q + m``            int4, group 32: scale d, offset m
 Q5_0       32: d, 5-bit q; ``w = d (q - 16)``            int8 groups of 32: codes q - 16, scale d
 Q5_1       32: d, m, 5-bit q; ``w = d q + m``            int8 groups of 32: scale d, offset m
@@ -19,11 +20,12 @@ Q6_K       256: d, sixteen int8 sc, 6-bit q;             int8 groups of 16: code
            ``w = d sc (q - 32)``                          scale d x sc (two levels)
 =========  ==========================================  =========================================
 
-Every value above is float16 in the file and stays float16 (``formats.exact_half`` keeps -8d
-float16 where it is exact); products are taken in float32, where they are exact, so the dequantized
-weight equals ``gguf.quants.dequantize``'s and a repacked tensor takes the file's bytes plus at
-most one byte per group. F32, F16 and BF16 tensors are read as they are. Any other type (IQ
-quants, Q2_K, Q3_K, ...) is a ``ValueError`` naming it.
+Every value above is float16 in the file and stays float16 (x: two levels, ``formats``'s group
+values); products are taken in float32, where they are exact, so the dequantized weight equals
+``gguf.quants.dequantize``'s. A 4-bit tensor takes the file's bytes plus at most one byte per
+group; a 5- or 6-bit one a byte a weight. Rows are repacked ``CHUNK_ELEMENTS`` weights at a time
+into tensors made once, so a tensor's temporaries stay a few MiB. F32, F16 and BF16 tensors are
+read as they are. Any other type (IQ quants, Q2_K, Q3_K, ...) is a ``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 
-from mmkv.quantization.formats import Int4Weight, Int8GroupWeight, QuantizedWeight, exact_half
+from mmkv.quantization.formats import CHUNK_ELEMENTS, Int4Weight, Int8GroupWeight, QuantizedWeight
 
 FLOAT_TYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: None}
 QUANTIZED_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
@@ -96,15 +98,33 @@ def repack(kind: T, data: np.ndarray, rows: int, cols: int) -> QuantizedWeight:
     block_weights, block_bytes = GGML_QUANT_SIZES[kind]
     if cols % block_weights:
         raise ValueError(f"a {kind.name} row of {cols} weights is not a whole number of blocks")
-    b = np.asarray(data).reshape(rows, cols // block_weights, block_bytes)
+    step = max(1, CHUNK_ELEMENTS // cols)
+    whole: dict | None = None
+    for start in range(0, rows, step):
+        end = min(start + step, rows)
+        part = _repack_rows(kind, np.asarray(data[start:end]).reshape(end - start, -1, block_bytes))
+        values = {name: getattr(part, name) for name in part.__slots__}
+        tensors = {name: v for name, v in values.items() if isinstance(v, torch.Tensor)}
+        if whole is None:  # every field's tensor for all the rows, made once (one for fields sharing one)
+            made = {id(v): torch.empty((rows, *v.shape[1:]), dtype=v.dtype) for v in tensors.values()}
+            whole = {name: made[id(v)] if name in tensors else v for name, v in values.items()}
+        for value, target in {id(v): (v, whole[name]) for name, v in tensors.items()}.values():
+            target[start:end] = value
+    return type(part)(**whole)
+
+
+def _repack_rows(kind: T, b: np.ndarray) -> QuantizedWeight:
+    """``repack`` of whole rows whose blocks are ``b`` ``[rows, blocks, bytes]``."""
+    rows, cols = b.shape[0], b.shape[1] * GGML_QUANT_SIZES[kind][0]
     if kind == T.Q8_0:
         return Int8GroupWeight(_int8(b[..., 2:].view(np.int8).reshape(rows, cols)), _half(b, 0), 32)
     if kind in (T.Q4_0, T.Q4_1):
         d = _half(b, 0)
         start = 2 if kind == T.Q4_0 else 4
         codes = _packed_int4(_nibbles(b[..., start:start + 16]).reshape(rows, cols))
-        offset = exact_half(-8.0 * d.float()) if kind == T.Q4_0 else _half(b, 2)
-        return Int4Weight(codes, d, offset, 32)
+        if kind == T.Q4_0:
+            return Int4Weight(codes, d, d, 32, offset_codes=torch.full_like(d, -8, dtype=torch.int8))
+        return Int4Weight(codes, d, _half(b, 2), 32)
     if kind in (T.Q5_0, T.Q5_1):
         start = 2 if kind == T.Q5_0 else 4
         q = _nibbles(b[..., start + 4:start + 20]) | (_fifth_bits(b[..., start:start + 4], 32) << 4)
