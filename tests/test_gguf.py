@@ -6,6 +6,8 @@ own converter and quantizer."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -95,6 +97,39 @@ def test_a_directory_holding_one_gguf_file_loads_it(gguf_models, tmp_path):
     (tmp_path / "other.gguf").symlink_to(gguf_models["llama"])
     with pytest.raises(ModelLoadError, match="2 GGUF files"):
         Engine(str(tmp_path), kv_cache_memory="32MiB")
+
+
+def test_serve_and_run_batch_take_a_gguf_file(gguf_models):
+    """``mmkv serve model.gguf`` reports the file's quantization on /v1/models and answers text
+    prompts with the file's tokenizer; ``mmkv run-batch`` on the same file answers the same."""
+    import argparse
+
+    import httpx
+    from openai import OpenAI
+
+    from mmkv.cli import add_serve_arguments
+    from mmkv.engine_args import engine_options
+    from mmkv.server.batch_file import run_batch
+    from server_harness import MODEL_NAME, start_server
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args([str(gguf_models["llama"]), "--kv-cache-memory", "32MiB", "--host-kv-memory", "4MiB"])
+    engine = Engine(args.model, **engine_options(args))
+    expected = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=6, ignore_eos=True))[0].text
+    running = start_server(engine)
+    try:
+        assert httpx.get(f"{running.url}/v1/models").json()["data"][0]["quantization"] == "gguf"
+        client = OpenAI(base_url=f"{running.url}/v1", api_key="none")
+        answer = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert answer.choices[0].text == expected
+    finally:
+        running.stop()
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "m", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    (result,) = run_batch(Engine(args.model, **engine_options(args)), [json.dumps(line)], progress=False)
+    assert result["response"]["body"]["choices"][0]["text"] == expected
 
 
 def write_raw(path, architecture: str, tensors: dict[str, tuple[T, np.ndarray]],

@@ -319,6 +319,7 @@ def test_served_quantized_model_shares_images_and_reports_its_weight_bytes():
             client.chat.completions.create(model=MODEL_NAME, max_tokens=3, temperature=0, messages=[
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                              {"type": "text", "text": question}]}])
+        assert httpx.get(f"{running.url}/v1/models").json()["data"][0]["quantization"] == "int4 (group 32)"
         stats = httpx.get(f"{running.url}/v1/stats").json()["replicas"]["0"]
         assert stats["xattn_blocks_reused"] > 0 and stats["encoder_calls"] == 1
         assert running.metrics()["mmkv_weight_bytes"] == stats["weight_bytes"] == running.engine.weight_bytes

@@ -150,9 +150,11 @@ class ModelAdapter:
     chat_questions: bool = False  # ask() puts each question in the model's chat template
     early_exit_layer: int | None = None  # layers trained to draft through the final head
     quantization: Quantization | None = None  # how the linear layers were quantized at load
-    weights_format: str | None = None  # how a checkpoint quantized elsewhere stores them ("gguf Q4_K_M")
+    weights_format: str | None = None  # how a checkpoint quantized elsewhere stores them ("gguf Q4_K_M",
+    # "awq int4 (group 128)"; a Hugging Face loader leaves it on the model as mmkv_weights_format)
 
     def __post_init__(self) -> None:
+        self.weights_format = self.weights_format or getattr(self.model, "mmkv_weights_format", None)
         self.model.to(self.device).eval()
         self.weight_bytes = tensor_bytes(self.model)
         c = self.text_config

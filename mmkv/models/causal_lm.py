@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from mmkv.models.base import (ATTENTION_NAME, ModelAdapter, ModelLoadError, load_hf_config,
                               resolve_dtype)
 from mmkv.quantization import Quantization, QuantizedLinearModule
+from mmkv.quantization.checkpoints import checkpoint_arguments, repack_loaded
 from mmkv.quantization.loading import finish_loading, loading_arguments
 
 TEXT_FAMILIES = ("llama", "qwen2", "mistral")
@@ -19,11 +20,17 @@ TEXT_FAMILIES = ("llama", "qwen2", "mistral")
 def from_pretrained(cls, path: Path, dtype: torch.dtype, attn_implementation,
                     quantization: Quantization | None = None):
     """``cls.from_pretrained`` with load failures reported as ``ModelLoadError``; with
-    ``quantization``, its layers quantized as they load (``mmkv.quantization.loading``)."""
+    ``quantization``, its layers quantized as they load (``mmkv.quantization.loading``); a
+    checkpoint quantized by AWQ, GPTQ or compressed-tensors repacked into mmkv's layouts
+    (``mmkv.quantization.checkpoints``; ``model.mmkv_weights_format`` says which)."""
     try:
-        model = cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                    **loading_arguments(quantization))
-        if quantization is not None:
+        arguments = checkpoint_arguments(path, quantization) or loading_arguments(quantization)
+        model = cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **arguments)
+        form = getattr(arguments.get("quantization_config"), "form", None)
+        if form is not None:
+            repack_loaded(model)
+            model.mmkv_weights_format = form.describe()
+        if quantization is not None or form is not None:
             finish_loading(model)
     except (OSError, ValueError, RuntimeError, KeyError) as err:
         raise ModelLoadError(f"cannot load weights from {str(path)!r}: {err}") from err

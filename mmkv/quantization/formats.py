@@ -122,7 +122,7 @@ def _rows(tensor: torch.Tensor | None, start: int, end: int) -> torch.Tensor | N
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
     """Bytes of the tensors, one shared by two fields (a scale that is also an offset's) once."""
-    return sum({id(t): t.nbytes for t in tensors if t is not None}.values())
+    return sum({(t.data_ptr(), t.nbytes): t.nbytes for t in tensors if t is not None}.values())
 
 
 @dataclass(slots=True)
@@ -276,7 +276,11 @@ def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
     if not concatenable(weights):
         raise ValueError("cannot concatenate quantized weights of different layouts")
     first = weights[0]
-    fields = [name for name in first.__slots__ if isinstance(getattr(first, name), torch.Tensor)]
     values = {name: getattr(first, name) for name in first.__slots__}
-    values.update({name: torch.cat([getattr(w, name) for w in weights]) for name in fields})
+    joined: dict[tuple, torch.Tensor] = {}  # fields that hold one tensor in every weight stay one
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            parts = [getattr(w, name) for w in weights]
+            key = tuple((t.data_ptr(), t.shape) for t in parts)
+            values[name] = joined[key] if key in joined else joined.setdefault(key, torch.cat(parts))
     return type(first)(**values)
