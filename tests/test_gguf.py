@@ -40,6 +40,21 @@ def test_each_block_type_repacks_to_the_weights_gguf_dequantizes(kind):
         torch.testing.assert_close(layer(x), reference, rtol=0, atol=1e-5 * reference.abs().max().item())
 
 
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0], ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bfloat16_rows_meet_the_repacked_weight_in_bfloat16(kind, rows):
+    """A bfloat16 model's rows go through the dot-product kernel where the CPU has it: each
+    weight is its dequantized value rounded to bfloat16 (groups of 16 and 32; two levels)."""
+    weight = repack(kind, raw_blocks(kind, 9, 512), 9, 512)
+    layer = QuantizedLinear(weight, None)
+    x = torch.randn(rows, 512).bfloat16()
+    if layer.kernels is None or layer.run_kernel(layer.kernels[1], x) is None:
+        pytest.skip("no AVX512-BF16 kernel on this CPU (the float32 kernel runs bfloat16 rows)")
+    expected = F.linear(x.double(), weight.dequantize().bfloat16().double())
+    got = layer.run_kernel(layer.kernels[1], x).double()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+
+
 def test_k_quant_scales_stay_in_two_levels_as_compact_as_the_file():
     rows, cols = 4, 1024
     q4k = repack(T.Q4_K, raw_blocks(T.Q4_K, rows, cols), rows, cols)

@@ -77,7 +77,8 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPI
 SYMBOLS = ("mmkv_paged_decode", "mmkv_rms_norm", "mmkv_rope_write", "mmkv_top_tokens",
            "mmkv_int8_linear", "mmkv_int4_linear", "mmkv_int8_linear_bf16", "mmkv_int4_linear_bf16",
            "mmkv_int8_dequantize", "mmkv_int4_dequantize", "mmkv_int8_dequantize_bf16",
-           "mmkv_int4_dequantize_bf16", "mmkv_int8_group_linear", "mmkv_int8_group_dequantize",
+           "mmkv_int4_dequantize_bf16", "mmkv_int8_group_linear", "mmkv_int8_group_linear_bf16",
+           "mmkv_int8_group_dequantize",
            "mmkv_int8_group_dequantize_bf16")
 
 log = logging.getLogger(__name__)

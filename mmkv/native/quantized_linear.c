@@ -145,16 +145,17 @@ static void expand_groups(const group_values *v, int64_t o, int64_t channels, in
         memcpy(out, (const float *)v->values + o * groups, sizeof(float) * n);
     } else if (per == 1) {
         halves_to_floats((const uint16_t *)v->values + o * groups, n, out);
-    } else {
-        for (int64_t c = 0; c < channels; c++)
-            for (int64_t g = 0; g < groups; g++) {
-                const int64_t at = (o + c) * v->count + g / per;
-                out[c * groups + g] = v->float32 ? ((const float *)v->values)[at]
-                                                 : half_to_float(((const uint16_t *)v->values)[at]);
-            }
+    } else {  /* each shared value over its per groups */
+        for (int64_t s = 0; s < channels * v->count; s++) {
+            const int64_t at = o * v->count + s;
+            const float value = v->float32 ? ((const float *)v->values)[at]
+                                           : half_to_float(((const uint16_t *)v->values)[at]);
+            for (int64_t j = 0; j < per; j++) out[s * per + j] = value;
+        }
     }
     if (v->codes) {
-        const int8_t *q = v->codes + o * groups;
+        const int8_t *restrict q = v->codes + o * groups;
+#pragma omp simd
         for (int64_t i = 0; i < n; i++) out[i] *= (float)q[i];
     }
 }
@@ -485,6 +486,46 @@ static inline __attribute__((always_inline)) void int4_tile_bf16(
             y[(r + k) * out + o + c] = _mm512_reduce_add_ps(acc[c][k]) + (bias ? bias[o + c] : 0.0f);
 }
 
+/* int8 in groups on bfloat16 rows, 32 inputs a step: each half of 16 codes decoded with its
+ * group's scale and offset (q * scale + offset, in float32), the 32 weights rounded to bfloat16 (the
+ * weight the model's dtype holds) and multiplied by the rows' bfloat16 inputs. sc and mn are the
+ * block's scales and offsets as float32, [C][groups]; groups are a multiple of 16 inputs. */
+static inline __attribute__((always_inline)) void int8_group_tile_bf16(
+    const uint16_t *restrict x, int64_t in, const int8_t *restrict codes, const float *restrict sc,
+    const float *restrict mn, int64_t group, const float *restrict bias, float *restrict y,
+    int64_t out, int64_t o, int64_t r, const int C, const int R) {
+    const int64_t groups = in / group;
+    __m512 acc[CHANNEL_BLOCK][ROW_TILE];
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++) acc[c][k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < in; i += 32) {
+        const int64_t first = i / group, second = (i + 16) / group;
+        __m512bh w[CHANNEL_BLOCK];
+        for (int c = 0; c < C; c++) {
+            const int8_t *p = codes + (o + c) * in + i;
+            PREFETCH_NEXT_BLOCK(p, C * in);
+            const float *s = sc + c * groups, *m = mn + c * groups;
+            const __m512 lo = _mm512_fmadd_ps(vint8(p), _mm512_set1_ps(s[first]), _mm512_set1_ps(m[first]));
+            const __m512 hi = _mm512_fmadd_ps(vint8(p + 16), _mm512_set1_ps(s[second]), _mm512_set1_ps(m[second]));
+            w[c] = _mm512_cvtne2ps_pbh(hi, lo);
+        }
+        for (int k = 0; k < R; k++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r + k) * in + i);
+            for (int c = 0; c < C; c++) acc[c][k] = _mm512_dpbf16_ps(acc[c][k], xv, w[c]);
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < R; k++)
+            y[(r + k) * out + o + c] = _mm512_reduce_add_ps(acc[c][k]) + (bias ? bias[o + c] : 0.0f);
+}
+
+static void int8_group_channels_bf16(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,
+                                     const group_values *scale, const group_values *offset,
+                                     int64_t group, const float *bias, float *y, int64_t out,
+                                     int64_t o, const int C) {
+    GROUPED_CHANNELS(int8_group_tile_bf16(x, in, codes, sc, mn, group, bias, y, out, o, r, C, R));
+}
+
 static void int8_channels_bf16(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,
                                const float *scale, const float *bias, float *y, int64_t out,
                                int64_t o, const int C) {
@@ -506,6 +547,20 @@ int mmkv_int8_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const int
     return 0;
 #else
     (void)x, (void)rows, (void)in, (void)codes, (void)scale, (void)bias, (void)y, (void)out;
+    return -1;
+#endif
+}
+
+int mmkv_int8_group_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,
+                                const group_values *scale, const group_values *offset, int64_t group,
+                                const float *bias, float *y, int64_t out) {
+#if defined(__AVX512BF16__)
+    if (group % 16 || in % group || in % 32) return -1;
+    OVER_CHANNEL_BLOCKS(out, int8_group_channels_bf16(x, rows, in, codes, scale, offset, group, bias, y, out, o, C));
+    return 0;
+#else
+    (void)x, (void)rows, (void)in, (void)codes, (void)scale, (void)offset, (void)group, (void)bias;
+    (void)y, (void)out;
     return -1;
 #endif
 }

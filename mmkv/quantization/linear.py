@@ -49,7 +49,7 @@ KERNELS = {  # each layout's kernels: float32 rows, bfloat16 rows, dequantized t
     "int4": (("mmkv_int4_linear", _GROUPED_ARGS), ("mmkv_int4_linear_bf16", _GROUPED_ARGS),
              ("mmkv_int4_dequantize", _GROUPED_DEQUANTIZE_ARGS),
              ("mmkv_int4_dequantize_bf16", _GROUPED_DEQUANTIZE_ARGS)),
-    "int8_group": (("mmkv_int8_group_linear", _GROUPED_ARGS), None,
+    "int8_group": (("mmkv_int8_group_linear", _GROUPED_ARGS), ("mmkv_int8_group_linear_bf16", _GROUPED_ARGS),
                    ("mmkv_int8_group_dequantize", _GROUPED_DEQUANTIZE_ARGS),
                    ("mmkv_int8_group_dequantize_bf16", _GROUPED_DEQUANTIZE_ARGS)),
 }
@@ -83,7 +83,7 @@ class GroupValues(ctypes.Structure):
 
 def native_kernels(weight: QuantizedWeight) -> tuple | None:
     """The native kernels that run ``weight`` (its linear layer on float32 rows, on bfloat16
-    rows or None, its dequantization to float32 and to bfloat16), or None (not on the CPU, no
+    rows, its dequantization to float32 and to bfloat16), or None (not on the CPU, no
     library, or a group size or group values the kernels do not take)."""
     if weight.codes.device.type != "cpu":
         return None
@@ -93,7 +93,7 @@ def native_kernels(weight: QuantizedWeight) -> tuple | None:
         if weight.group_size % multiple or any(
                 v.dtype not in (torch.float16, torch.float32) or not v.is_contiguous() for v in values):
             return None
-    kernels = tuple(None if spec is None else native.function(*spec) for spec in KERNELS[weight.method])
+    kernels = tuple(native.function(*spec) for spec in KERNELS[weight.method])
     return None if kernels[0] is None else kernels
 
 
@@ -105,7 +105,7 @@ class QuantizedLinear:
         self.bias = None if bias is None else bias.detach()
         self.bias32 = None if bias is None else bias.detach().float().contiguous()
         self.kernels = native_kernels(weight)
-        self.bfloat16_kernel = self.kernels is not None and self.kernels[1] is not None  # until it declines
+        self.bfloat16_kernel = self.kernels is not None  # until the kernel says it cannot
         self.out_features, self.in_features = weight.shape
         if isinstance(weight, Int8Weight):
             self.layout = (weight.scale.data_ptr(),)
