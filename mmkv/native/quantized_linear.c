@@ -62,6 +62,21 @@
     expand_groups(offset, o, C, groups, mn);                                                     \
     OVER_ROW_TILES(rows, TILE)
 
+/* name(x, rows, in, codes, scale, offset, group, bias, y, out, o, C): a grouped kernel's channels
+ * [o, o + C), TILE (a tile function over GROUPED_CHANNELS's names) over its rows. */
+#define DEFINE_GROUPED_CHANNELS(name, row_type, code_type, TILE)                                 \
+    static void name(const row_type *x, int64_t rows, int64_t in, const code_type *codes,        \
+                     const group_values *scale, const group_values *offset, int64_t group,       \
+                     const float *bias, float *y, int64_t out, int64_t o, const int C) {         \
+        GROUPED_CHANNELS(TILE(x, in, codes, sc, mn, group, bias, y, out, o, r, C, R));           \
+    }
+
+/* A tile's sums (VALUE, naming c and k) plus the bias, into y's rows [r, r + R) and channels
+ * [o, o + C). */
+#define STORE_TILE(VALUE)                                                                        \
+    for (int c = 0; c < C; c++)                                                                  \
+        for (int k = 0; k < R; k++) y[(r + k) * out + o + c] = (VALUE) + (bias ? bias[o + c] : 0.0f)
+
 /* CHANNELS (a call naming o and C) over out's channels, blocks in parallel: whole blocks of
  * CHANNEL_BLOCK, and a last partial block a channel at a time. */
 #define OVER_CHANNEL_BLOCKS(out, CHANNELS)                                                       \
@@ -314,15 +329,10 @@ static inline __attribute__((always_inline)) void int4_tile(
             total[c][k] = sum;
         }
 #endif
-    for (int c = 0; c < C; c++)
-        for (int k = 0; k < R; k++) y[(r + k) * out + o + c] = total[c][k] + (bias ? bias[o + c] : 0.0f);
+    STORE_TILE(total[c][k]);
 }
 
-static void int4_channels(const float *xs, int64_t rows, int64_t in, const uint8_t *codes,
-                          const group_values *scale, const group_values *offset, int64_t group,
-                          const float *bias, float *y, int64_t out, int64_t o, const int C) {
-    GROUPED_CHANNELS(int4_tile(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, R));
-}
+DEFINE_GROUPED_CHANNELS(int4_channels, float, uint8_t, int4_tile)
 
 /* Returns 0, or -1 (nothing computed) when a group is not a whole number of vector loads of
  * bytes (2 * LANES inputs) or does not divide the inputs. */
@@ -384,15 +394,10 @@ static inline __attribute__((always_inline)) void int8_group_tile(
             total[c][k] = sum;
         }
 #endif
-    for (int c = 0; c < C; c++)
-        for (int k = 0; k < R; k++) y[(r + k) * out + o + c] = total[c][k] + (bias ? bias[o + c] : 0.0f);
+    STORE_TILE(total[c][k]);
 }
 
-static void int8_group_channels(const float *x, int64_t rows, int64_t in, const int8_t *codes,
-                                const group_values *scale, const group_values *offset, int64_t group,
-                                const float *bias, float *y, int64_t out, int64_t o, const int C) {
-    GROUPED_CHANNELS(int8_group_tile(x, in, codes, sc, mn, group, bias, y, out, o, r, C, R));
-}
+DEFINE_GROUPED_CHANNELS(int8_group_channels, float, int8_t, int8_group_tile)
 
 /* Returns 0, or -1 (nothing computed) when a group is not a whole number of vector loads or does
  * not divide the inputs. */
@@ -481,9 +486,7 @@ static inline __attribute__((always_inline)) void int4_tile_bf16(
                 acc[c][k] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[c][k], even, lo[c]), odd, hi[c]);
         }
     }
-    for (int c = 0; c < C; c++)
-        for (int k = 0; k < R; k++)
-            y[(r + k) * out + o + c] = _mm512_reduce_add_ps(acc[c][k]) + (bias ? bias[o + c] : 0.0f);
+    STORE_TILE(_mm512_reduce_add_ps(acc[c][k]));
 }
 
 /* int8 in groups on bfloat16 rows, 32 inputs a step: each half of 16 codes decoded with its
@@ -514,17 +517,10 @@ static inline __attribute__((always_inline)) void int8_group_tile_bf16(
             for (int c = 0; c < C; c++) acc[c][k] = _mm512_dpbf16_ps(acc[c][k], xv, w[c]);
         }
     }
-    for (int c = 0; c < C; c++)
-        for (int k = 0; k < R; k++)
-            y[(r + k) * out + o + c] = _mm512_reduce_add_ps(acc[c][k]) + (bias ? bias[o + c] : 0.0f);
+    STORE_TILE(_mm512_reduce_add_ps(acc[c][k]));
 }
 
-static void int8_group_channels_bf16(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,
-                                     const group_values *scale, const group_values *offset,
-                                     int64_t group, const float *bias, float *y, int64_t out,
-                                     int64_t o, const int C) {
-    GROUPED_CHANNELS(int8_group_tile_bf16(x, in, codes, sc, mn, group, bias, y, out, o, r, C, R));
-}
+DEFINE_GROUPED_CHANNELS(int8_group_channels_bf16, uint16_t, int8_t, int8_group_tile_bf16)
 
 static void int8_channels_bf16(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,
                                const float *scale, const float *bias, float *y, int64_t out,
@@ -532,11 +528,7 @@ static void int8_channels_bf16(const uint16_t *x, int64_t rows, int64_t in, cons
     OVER_ROW_TILES(rows, int8_tile_bf16(x, in, codes, scale, bias, y, out, o, r, C, R));
 }
 
-static void int4_channels_bf16(const uint16_t *xs, int64_t rows, int64_t in, const uint8_t *codes,
-                               const group_values *scale, const group_values *offset, int64_t group,
-                               const float *bias, float *y, int64_t out, int64_t o, const int C) {
-    GROUPED_CHANNELS(int4_tile_bf16(xs, in, codes, sc, mn, group, bias, y, out, o, r, C, R));
-}
+DEFINE_GROUPED_CHANNELS(int4_channels_bf16, uint16_t, uint8_t, int4_tile_bf16)
 #endif
 
 int mmkv_int8_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,
