@@ -119,7 +119,7 @@ def load_gguf_lm(file: Path, device: torch.device, dtype: str | torch.dtype) -> 
     dtype = resolve_dtype(dtype, None, device)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
-    names = get_gguf_hf_weights_map(model, TensorProcessor())
+    names = get_gguf_hf_weights_map(model, TensorProcessor(), model_type=architecture)
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     mapping = reader.data.base
     embedding = None
