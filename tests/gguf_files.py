@@ -7,7 +7,7 @@ K-quant quantizer, so a Q4_K, Q5_K or Q6_K tensor is random blocks (every field 
 scales set so the weights' spread is the model's). The model such a file holds is whatever it
 dequantizes to: transformers' ``from_pretrained(..., gguf_file=...)`` is the oracle, never the
 Hugging Face model it was written from. The tokenizer is byte-level BPE (``gpt2``) with one token
-per byte, so text prompts work.
+per byte, so text prompts work, and the file carries a chat template (``CHAT_TEMPLATE``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from transformers import AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 HALF_FIELDS = {  # byte offsets of each block type's float16 fields (the rest are codes and sub-scales)
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
     T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
@@ -98,6 +100,7 @@ def write_gguf(hf_dir: Path, path: Path, kind_of, architecture: str | None = Non
     writer.add_token_merges([])
     writer.add_bos_token_id(256 if config.vocab_size > 256 else 0)
     writer.add_eos_token_id(257 if config.vocab_size > 257 else 0)
+    writer.add_chat_template(CHAT_TEMPLATE)
     names = {hf: gguf for gguf, hf in get_gguf_hf_weights_map(model, TensorProcessor()).items()}
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     state = model.state_dict()

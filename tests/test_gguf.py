@@ -109,6 +109,8 @@ def test_a_gguf_file_runs_as_transformers_runs_it(gguf_models, family):
         ids = tokenizer.encode(prompt)
         assert engine.tokenizer.encode(prompt) == ids  # the tokenizer comes from the file
         assert list(output.token_ids) == hf_greedy(model, ids, 12)
+    chat = [{"role": "user", "content": PROMPTS[0]}]  # and so does the chat template
+    assert engine.render_chat(chat) == tokenizer.encode(f"<user>{PROMPTS[0]}\n<assistant>")
 
 
 def test_a_directory_holding_one_gguf_file_loads_it(gguf_models, tmp_path):
