@@ -38,7 +38,7 @@ from mmkv.models.base import ATTENTION_NAME, ModelAdapter, ModelLoadError, resol
 from mmkv.quantization.formats import select_rows
 from mmkv.quantization.gguf import QUANTIZED_TYPES, check_type, read_float, repack
 from mmkv.quantization.linear import QuantizedEmbedding, QuantizedLinearModule
-from mmkv.quantization.loading import quantizes
+from mmkv.quantization.loading import quantizes, replace_modules
 
 ARCHITECTURES = {"llama": "Llama and Mistral", "qwen2": "Qwen2"}
 INTERLEAVED_ROTARY = ("llama",)  # architectures whose Q and K rows llama.cpp's converter permutes
@@ -139,9 +139,10 @@ def load_gguf_lm(file: Path, device: torch.device, dtype: str | torch.dtype) -> 
             weight = weight if order is None else select_rows(weight, order)
             if isinstance(owner, torch.nn.Embedding):
                 embedding = QuantizedEmbedding(weight, dtype)
-                _replace(model, owner_name, embedding)
+                replace_modules(model, [owner_name], lambda *_: embedding)
             elif isinstance(owner, torch.nn.Linear) and (quantizes(owner_name) or owner is model.lm_head):
-                _replace(model, owner_name, QuantizedLinearModule.of(weight, owner.bias))
+                replace_modules(model, [owner_name],
+                                lambda _, linear: QuantizedLinearModule.of(weight, linear.bias))
             else:
                 raise ValueError(f"GGUF tensor {tensor.name!r} is quantized ({kind.name}) but "
                                  f"{names[tensor.name]} is not a linear layer or embedding")
@@ -164,8 +165,3 @@ def load_gguf_lm(file: Path, device: torch.device, dtype: str | torch.dtype) -> 
     return ModelAdapter(model=model, text_model=model.model, lm_head=model.lm_head,
                         text_config=model.config, device=device, dtype=dtype,
                         weights_format=described)
-
-
-def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)

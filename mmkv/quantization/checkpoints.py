@@ -42,12 +42,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from mmkv.quantization.formats import Int4Weight, Int8GroupWeight, QuantizedWeight
 from mmkv.quantization.linear import QuantizedLinearModule
+from mmkv.quantization.loading import SwappingQuantizer, linear_layers, replace_modules
 
 METHODS = ("awq", "gptq", "compressed-tensors")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # bits 4j of an AWQ word hold output 8c + AWQ_ORDER[j]
@@ -253,10 +253,8 @@ class CheckpointConfig(QuantizationConfigMixin):
         self.form, self.dtypes = form, dtypes or {}
 
 
-class CheckpointQuantizer(HfQuantizer):
+class CheckpointQuantizer(SwappingQuantizer):
     """Loads a quantized checkpoint's layers as they are stored (``CheckpointLinear``)."""
-
-    requires_calibration = False
 
     def __init__(self, quantization_config: CheckpointConfig, **kwargs) -> None:
         super().__init__(quantization_config, **kwargs)
@@ -266,22 +264,9 @@ class CheckpointQuantizer(HfQuantizer):
         return False
 
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **_: object) -> None:
-        from mmkv.quantization.loading import quantizes
-        names = [n for n, m in model.named_modules()
-                 if type(m) is torch.nn.Linear and quantizes(n) and self.form.quantized(n)]
-        for name in names:
-            parent, _, child = name.rpartition(".")
-            owner = model.get_submodule(parent) if parent else model
-            linear = getattr(owner, child)
-            setattr(owner, child, CheckpointLinear(self.form, linear.in_features, linear.out_features,
-                                                   linear.bias is not None, self.dtypes))
-
-    def is_serializable(self) -> bool:
-        return False
-
-    @property
-    def is_trainable(self) -> bool:
-        return False
+        names = [n for n in linear_layers(model) if self.form.quantized(n)]
+        replace_modules(model, names, lambda _, linear: CheckpointLinear(
+            self.form, linear.in_features, linear.out_features, linear.bias is not None, self.dtypes))
 
 
 def checkpoint_arguments(path: Path, quantization) -> dict:
@@ -311,10 +296,7 @@ def repack_loaded(model: torch.nn.Module) -> int:
     """Turn every ``CheckpointLinear`` of a loaded model into a ``QuantizedLinearModule``, one at a
     time (its packed tensors released as it goes). Returns how many."""
     names = [n for n, m in model.named_modules() if isinstance(m, CheckpointLinear)]
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, getattr(owner, child).repacked())
+    replace_modules(model, names, lambda _, layer: layer.repacked())
     return len(names)
 
 

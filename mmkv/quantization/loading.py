@@ -41,22 +41,27 @@ def quantizes(name: str) -> bool:
     return "layers." in name and not any(v in name for v in VISION_TOWERS)
 
 
+def linear_layers(model: torch.nn.Module) -> list[str]:
+    """The module paths of ``model``'s ``nn.Linear`` layers that ``quantizes`` selects."""
+    return [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and quantizes(n)]
+
+
+def replace_modules(model: torch.nn.Module, names: list[str], build) -> None:
+    """Replace the module at each path of ``names`` by ``build(name, module)``, one at a time."""
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, build(name, getattr(owner, child)))
+
+
 def swap_linear_layers(model: torch.nn.Module, quantization: Quantization,
                        build=None) -> list[str]:
     """Replace every selected ``nn.Linear`` of ``model`` by a ``QuantizedLinearModule``: made by
     ``build(name, module)`` when given (a loaded layer, quantized now), else an empty one for a
     loader to fill. Returns the names replaced."""
-    names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and quantizes(n)]
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        linear = getattr(owner, child)
-        if build is not None:
-            replacement = build(name, linear)
-        else:
-            replacement = QuantizedLinearModule.empty(linear.in_features, linear.out_features,
-                                                      linear.bias is not None, quantization)
-        setattr(owner, child, replacement)
+    names = linear_layers(model)
+    replace_modules(model, names, build or (lambda _, linear: QuantizedLinearModule.empty(
+        linear.in_features, linear.out_features, linear.bias is not None, quantization)))
     return names
 
 
@@ -98,10 +103,22 @@ class QuantizeOnLoad(ConversionOps):
         return state
 
 
-class MmkvQuantizer(HfQuantizer):
-    """Quantizes the selected linear layers' weights as transformers loads them."""
+class SwappingQuantizer(HfQuantizer):
+    """A quantizer that swaps layers before transformers loads the weights into them; what it
+    makes is mmkv's own, never saved or trained."""
 
     requires_calibration = False
+
+    def is_serializable(self) -> bool:
+        return False
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+class MmkvQuantizer(SwappingQuantizer):
+    """Quantizes the selected linear layers' weights as transformers loads them."""
 
     def __init__(self, quantization_config: MmkvQuantizationConfig, **kwargs) -> None:
         super().__init__(quantization_config, **kwargs)
@@ -117,13 +134,6 @@ class MmkvQuantizer(HfQuantizer):
 
     def get_quantize_ops(self) -> ConversionOps:
         return QuantizeOnLoad(self.quantization)
-
-    def is_serializable(self) -> bool:
-        return False
-
-    @property
-    def is_trainable(self) -> bool:
-        return False
 
 
 # transformers' registry of quantization methods (set, not ``register_*``: a module imported
