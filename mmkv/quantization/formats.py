@@ -63,7 +63,7 @@ class Int8Weight:
 
     def rows(self, start: int, end: int) -> Int8Weight:
         """Output channels ``[start, end)`` (views of this weight's tensors)."""
-        return Int8Weight(self.codes[start:end], self.scale[start:end])
+        return select_rows(self, slice(start, end))
 
 
 @dataclass(slots=True)
@@ -103,9 +103,7 @@ class Int4Weight:
 
     def rows(self, start: int, end: int) -> Int4Weight:
         """Output channels ``[start, end)`` (views of this weight's tensors)."""
-        return Int4Weight(self.codes[start:end], self.scale[start:end], self.offset[start:end],
-                          self.group_size, _rows(self.scale_codes, start, end),
-                          _rows(self.offset_codes, start, end))
+        return select_rows(self, slice(start, end))
 
 
 def group_values(values: torch.Tensor, codes: torch.Tensor | None, groups: int) -> torch.Tensor:
@@ -114,10 +112,6 @@ def group_values(values: torch.Tensor, codes: torch.Tensor | None, groups: int) 
     per = groups // values.shape[1]
     expanded = values.float().repeat_interleave(per, 1) if per > 1 else values.float()
     return expanded if codes is None else expanded * codes.float()
-
-
-def _rows(tensor: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
-    return None if tensor is None else tensor[start:end]
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -158,9 +152,7 @@ class Int8GroupWeight:
 
     def rows(self, start: int, end: int) -> Int8GroupWeight:
         """Output channels ``[start, end)`` (views of this weight's tensors)."""
-        return Int8GroupWeight(self.codes[start:end], self.scale[start:end], self.group_size,
-                               _rows(self.offset, start, end), _rows(self.scale_codes, start, end),
-                               _rows(self.offset_codes, start, end))
+        return select_rows(self, slice(start, end))
 
 
 QuantizedWeight = Int8Weight | Int4Weight | Int8GroupWeight
@@ -262,12 +254,14 @@ def concatenable(weights: list[QuantizedWeight]) -> bool:
     return len({_structure(w) for w in weights}) == 1
 
 
-def select_rows(weight: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
+def select_rows(weight: QuantizedWeight, index: torch.Tensor | slice) -> QuantizedWeight:
     """The weight whose output channel ``j`` is ``weight``'s channel ``index[j]`` (a reordering of
-    whole rows: every code, scale and offset moves with its row)."""
+    whole rows: every code, scale and offset moves with its row; a slice gives views). A tensor
+    two fields share stays one."""
     values = {name: getattr(weight, name) for name in weight.__slots__}
-    return type(weight)(**{name: value[index] if isinstance(value, torch.Tensor) else value
-                           for name, value in values.items()})
+    selected = {id(v): v[index] for v in values.values() if isinstance(v, torch.Tensor)}
+    return type(weight)(**{name: selected[id(v)] if isinstance(v, torch.Tensor) else v
+                           for name, v in values.items()})
 
 
 def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
