@@ -21,11 +21,13 @@ import torch
 from cache import KVCache
 from mmkv.attention.metadata import ONE_CALL, CrossSequence, plan_batch, plan_cross
 from mmkv.cpu_threads import DecodeThreads
+from mmkv.heap import release_free_heap
 from mmkv.host_arrays import longs
 from mmkv.image_kv import CrossAttentionKV
 from mmkv.models import ModelAdapter
 from mmkv.models.mrope import step_positions
 from mmkv.outputs import TokenLogprob
+from mmkv.quantization.linear import release_dequantize_buffers
 from mmkv.sampler import sample, token_logprob
 from mmkv.scheduler import ScheduledBatch
 from mmkv.sequence import Sequence
@@ -122,8 +124,11 @@ class ModelRunner:
 
     def step_done(self, idle: bool) -> None:
         """The step's result is applied: close the timings that run through postprocessing (the
-        speculation controller's, as a step's cost includes applying it; the decoding threads'),
-        and give torch every core back when the engine is ``idle``."""
+        speculation controller's, as a step's cost includes applying it; the decoding threads').
+        When the engine is ``idle``, give torch every core back and hand back the memory the
+        steps worked in: the quantized layers' dequantization buffers and the C heap's free
+        pages (a prefill's activations), so an idle engine holds its model, its KV pools and
+        little else. (The next busy step faults its pages in again.)"""
         if self._plain_pass is not None:
             self.speculator.observe("plain", *self._plain_pass)
             self._plain_pass = None
@@ -133,8 +138,11 @@ class ModelRunner:
             count, rows, start = self._threads_pass
             self.decode_threads.observe(count, rows, self.decode_threads.clock() - start)
             self._threads_pass = None
-        if idle and self.decode_threads is not None:
-            self.decode_threads.release()
+        if idle:
+            if self.decode_threads is not None:
+                self.decode_threads.release()
+            release_dequantize_buffers()
+            release_free_heap()
 
     def _timed_plain(self, seqs: list[Sequence], q_lens: list[int], result: StepResult,
                      alone: bool) -> None:

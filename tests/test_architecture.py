@@ -137,3 +137,17 @@ for name in {names!r}:
 print("\\n".join(failed))
 sys.exit(1 if failed else 0)
 """
+
+
+def test_the_engine_loads_open_clip_only_for_an_open_clip_encoder():
+    """open_clip and timm (about 50 MB resident) stay out of a process until an open_clip
+    encoder is made: an engine over a text or Hugging Face vision model never loads them."""
+    script = ("import sys\n"
+              "import mmkv.engine, mmkv.models, vision\n"
+              "print('open_clip' in sys.modules, 'timm' in sys.modules)\n"
+              "from vision.encoders import OpenClipEncoder\n"
+              "OpenClipEncoder(None, None, 32, identity='probe')\n"
+              "print('open_clip' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.splitlines() == ["False False", "True"], done.stdout + done.stderr[-2000:]

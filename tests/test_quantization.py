@@ -167,6 +167,26 @@ def test_fused_layers_keep_one_copy_of_the_codes(model_dirs):
     assert eng.stats()["weight_bytes"] == eng.model.weight_bytes
 
 
+def test_an_idle_engine_hands_back_its_dequantization_buffers_and_free_heap(model_dirs, monkeypatch):
+    """A prefill of more than ``NATIVE_ROWS`` rows dequantizes into the step thread's buffers; when
+    the engine goes idle it drops them and trims the C heap (once per idle), and the next request
+    makes them again and answers the same."""
+    from mmkv import runner
+    from mmkv.quantization import linear
+
+    trims = []
+    monkeypatch.setattr(runner, "release_free_heap", lambda: trims.append(True))
+    eng = Engine(model_dirs["llama"], quantization="int4", kv_cache_memory="4MiB")
+    made = []
+    buffer = linear.dequantize_buffer
+    monkeypatch.setattr(linear, "dequantize_buffer", lambda *a: made.append(a) or buffer(*a))
+    first = eng.generate([PROMPTS[2]], P)[0].token_ids
+    assert made and trims == [True]
+    assert "by_dtype" not in linear._BUFFERS.__dict__
+    assert eng.generate([PROMPTS[2]], P)[0].token_ids == first
+    assert len(trims) == 2 and "by_dtype" not in linear._BUFFERS.__dict__
+
+
 # -- each family against transformers on the dequantized weights ----------------------------------
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

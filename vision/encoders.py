@@ -3,6 +3,10 @@
 An encoder has an ``identity`` (which preprocessing and which weights), a ``preprocess`` step
 that turns a PIL image into the exact tensors the model consumes, and ``encode`` that turns those
 tensors into embeddings ``[tokens, dim]`` for one image. ``calls`` counts encoder forward passes.
+
+open_clip (with timm, about 50 MB resident and half a second) is imported by the open_clip
+encoder's functions when first called, so a process that runs only text or Hugging Face vision
+models never loads it.
 """
 
 from __future__ import annotations
@@ -11,10 +15,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable
 
-import open_clip
 import torch
-from open_clip.model import CLIPVisionCfg, _build_vision_tower
-from open_clip.transform import image_transform
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -49,6 +50,9 @@ def open_clip_vision_tower(arch: str | None = None, vision_cfg: dict[str, Any] |
 
     The tower returns its patch tokens (``output_tokens``), which is what cross-attention needs.
     """
+    import open_clip
+    from open_clip.model import CLIPVisionCfg, _build_vision_tower
+
     if (arch is None) == (vision_cfg is None):
         raise ValueError("give exactly one of an open_clip architecture name or a vision config")
     if arch is not None:
@@ -77,15 +81,20 @@ def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 
 
 class OpenClipEncoder(VisionEncoder):
-    """An open_clip vision tower followed by a projector; open_clip's own eval preprocessing."""
+    """An open_clip vision tower followed by a projector; open_clip's own eval preprocessing
+    (normalised by ``mean`` and ``std``, by default open_clip's OpenAI dataset statistics)."""
 
     def __init__(self, tower: torch.nn.Module, projector: Callable[[torch.Tensor], torch.Tensor],
-                 image_size: int,
-                 identity: str, mean: tuple[float, ...] = open_clip.OPENAI_DATASET_MEAN,
-                 std: tuple[float, ...] = open_clip.OPENAI_DATASET_STD) -> None:
+                 image_size: int, identity: str, mean: tuple[float, ...] | None = None,
+                 std: tuple[float, ...] | None = None) -> None:
+        import open_clip
+        from open_clip.transform import image_transform
+
         super().__init__()
         self.tower, self.projector = tower, projector
-        self.transform = image_transform(image_size, is_train=False, mean=mean, std=std)
+        self.transform = image_transform(image_size, is_train=False,
+                                         mean=open_clip.OPENAI_DATASET_MEAN if mean is None else mean,
+                                         std=open_clip.OPENAI_DATASET_STD if std is None else std)
         self.identity = f"open_clip:{image_size}:{identity}"
 
     def preprocess(self, image: Image.Image) -> Inputs:

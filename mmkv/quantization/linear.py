@@ -11,7 +11,8 @@ Two ways to run one, chosen per call by the number of rows:
   prefill of many rows runs at the full-precision GEMM's speed plus one decode of the weight. On
   the CPU the decode goes into a buffer each thread keeps for it (``dequantize_buffer``: one
   layer's weight in full precision, the largest met), so no call pays a fresh allocation's page
-  faults.
+  faults; an engine drops its step thread's buffers when it goes idle
+  (``release_dequantize_buffers``).
 
 ``NATIVE_ROWS`` is where the native kernel stopped being faster on the measured machine (between
 16 and 32 rows on TinyLlama's layer shapes: ``python -m mmkv.bench weights --kernels --json``;
@@ -65,6 +66,12 @@ def dequantize_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     if buffer is None or buffer.numel() < numel:
         buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
+
+
+def release_dequantize_buffers() -> None:
+    """Drop this thread's buffers (an idle engine holds none: the next call that needs one makes
+    it again)."""
+    _BUFFERS.__dict__.pop("by_dtype", None)
 
 
 class GroupValues(ctypes.Structure):
