@@ -147,7 +147,10 @@ typedef struct {
     int64_t float32;      /* 1: values are float32, 0: float16 */
 } group_values;
 
-/* Channels [o, o + channels)'s group values as float32 at out, [channels][groups]. */
+/* Channels [o, o + channels)'s group values as float32 at out, [channels][groups]. Two levels
+ * (per > 1: a K-quant's super-block scale over its eight groups) go a shared value at a time,
+ * each times its groups' codes in one vector pass: the block's setup then costs little beside its
+ * codes' decoding. */
 static void expand_groups(const group_values *v, int64_t o, int64_t channels, int64_t groups,
                           float *restrict out) {
     const int64_t n = channels * groups;
@@ -156,18 +159,32 @@ static void expand_groups(const group_values *v, int64_t o, int64_t channels, in
         return;
     }
     const int64_t per = groups / v->count;
-    if (per == 1 && v->float32) {
-        memcpy(out, (const float *)v->values + o * groups, sizeof(float) * n);
-    } else if (per == 1) {
-        halves_to_floats((const uint16_t *)v->values + o * groups, n, out);
-    } else {  /* each shared value over its per groups */
-        for (int64_t s = 0; s < channels * v->count; s++) {
-            const int64_t at = o * v->count + s;
-            const float value = v->float32 ? ((const float *)v->values)[at]
-                                           : half_to_float(((const uint16_t *)v->values)[at]);
-            for (int64_t j = 0; j < per; j++) out[s * per + j] = value;
+    if (per > 1) {
+        const int64_t shared = channels * v->count;
+        float values[shared];
+        if (v->float32)
+            memcpy(values, (const float *)v->values + o * v->count, sizeof(float) * shared);
+        else
+            halves_to_floats((const uint16_t *)v->values + o * v->count, shared, values);
+        const int8_t *restrict q = v->codes ? v->codes + o * groups : NULL;
+        for (int64_t s = 0; s < shared; s++) {
+            float *restrict row = out + s * per;
+            int64_t j = 0;
+#if defined(__AVX2__)
+            const __m256 value = _mm256_set1_ps(values[s]);
+            for (; j + 8 <= per; j += 8)
+                _mm256_storeu_ps(row + j, q ? _mm256_mul_ps(value, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                  _mm_loadl_epi64((const __m128i *)(q + s * per + j)))))
+                                            : value);
+#endif
+            for (; j < per; j++) row[j] = q ? values[s] * (float)q[s * per + j] : values[s];
         }
+        return;
     }
+    if (v->float32)
+        memcpy(out, (const float *)v->values + o * groups, sizeof(float) * n);
+    else
+        halves_to_floats((const uint16_t *)v->values + o * groups, n, out);
     if (v->codes) {
         const int8_t *restrict q = v->codes + o * groups;
 #pragma omp simd
