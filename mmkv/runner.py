@@ -69,9 +69,10 @@ class StepResult:
 
 class ModelRunner:
     """Runs batches for one model over one KV cache (and a speculator, when the engine
-    speculates). On the CPU a step that only decodes runs on the intra-op thread count
-    ``decode_threads`` measures fastest (every core otherwise, and again once the engine is
-    idle)."""
+    speculates). On the CPU a step that only decodes, plainly or in a speculative round, runs on
+    the intra-op thread count ``decode_threads`` measures fastest (every core otherwise, and again
+    once the engine is idle): a round's passes (one row a sequence while drafting, a few in
+    verification) are as small as a decoding step's."""
 
     def __init__(self, model: ModelAdapter, kv: KVCache, attention: AttentionBackend,
                  image_kv: CrossAttentionKV | None, planning: AttentionPlanning,
@@ -89,10 +90,10 @@ class ModelRunner:
         elif speculative is not None:
             self.speculator = EarlyExitSpeculator(model, speculative, self.context)
         # passes timed through postprocessing, closed by ``step_done``: a pure decoding pass for
-        # the speculation controller (rows, context, start) and for the decoding threads
-        # (threads, rows, start)
+        # the speculation controller (rows, context, start) and a decoding step for the decoding
+        # threads (threads, (a round?, sequences), start)
         self._plain_pass: tuple[int, int, tuple[float, int]] | None = None
-        self._threads_pass: tuple[int, int, float] | None = None
+        self._threads_pass: tuple[int, tuple[bool, int], float] | None = None
 
     def _decode_threads(self) -> DecodeThreads | None:
         cores = torch.get_num_threads()
@@ -109,11 +110,12 @@ class ModelRunner:
         """Compute the batch: its plain pass, then its speculative round."""
         result = StepResult()
         threads = self.decode_threads
-        decoding = bool(batch.seqs) and not batch.drafting and all(q == 1 for q in batch.q_lens)
+        decoding = bool(batch.seqs or batch.drafting) and all(q == 1 for q in batch.q_lens)
         if threads is not None:
-            count = threads.use(decoding, len(batch.seqs))
+            shape = (bool(batch.drafting), len(batch.seqs) + len(batch.drafting))  # steps compared alike
+            count = threads.use(decoding, shape)
             if decoding:
-                self._threads_pass = (count, len(batch.seqs), threads.clock())
+                self._threads_pass = (count, shape, threads.clock())
         if batch.seqs:
             if batch.drafting and self.speculator is not None:
                 self.speculator.step_start()  # the step's scheduling goes with its plain pass
@@ -135,8 +137,11 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.round_applied()
         if self._threads_pass is not None:
-            count, rows, start = self._threads_pass
-            self.decode_threads.observe(count, rows, self.decode_threads.clock() - start)
+            count, shape, start = self._threads_pass
+            switches = self.decode_threads.switches
+            self.decode_threads.observe(count, shape, self.decode_threads.clock() - start)
+            if self.decode_threads.switches != switches and self.speculator is not None:
+                self.speculator.forget_pass_costs()  # every pass runs on another thread count now
             self._threads_pass = None
         if idle:
             if self.decode_threads is not None:

@@ -60,6 +60,7 @@ from mmkv.step_context import StepContext
 from speculative.acceptance import DraftHistory, regime
 from speculative.config import SpeculativeConfig
 from speculative.controller import DraftLengthController
+from speculative.costs import PassCosts
 from speculative.verification import Verdict, greedy_verdict, verify_sampling
 
 if TYPE_CHECKING:
@@ -111,6 +112,11 @@ class Speculator(ABC):
         old = self.controller
         self.controller = DraftLengthController(old.positions, old.fixed, old.clock, old.settings, old.costs)
         self.stats, self._proposal, self._previous = SpeculationStats(), None, None
+
+    def forget_pass_costs(self) -> None:
+        """Learn the pass costs afresh, keeping what was learned of acceptance and output lengths
+        (the engine's passes have moved to another thread count, so every cost has changed)."""
+        self.controller.costs = PassCosts()
 
     def propose_with(self, proposal: Proposal | None) -> None:
         """Measure with given drafts: every draft token is ``proposal(seq, draft_pass)`` instead of

@@ -8,6 +8,7 @@ import torch
 from mmkv import Engine, SamplingParams
 from mmkv.cpu_threads import DecodeThreads
 from mmkv.runner import ModelRunner
+from speculative import SpeculativeConfig
 from test_engine_oracle import BLOCK_BYTES, prompts
 
 
@@ -96,3 +97,39 @@ def test_engine_decodes_on_the_faster_count_with_exact_output(model_dirs, hf_ora
     assert (False, cores) in seen and (True, cores - 1) in seen
     assert all(t == cores for decoding, t in seen if not decoding)
     assert torch.get_num_threads() == cores
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one core: nothing to choose")
+def test_speculative_rounds_move_to_the_faster_count_and_the_pass_costs_are_learned_afresh(
+        model_dirs, hf_oracle):
+    """Rounds with fixed draft lengths under a clock where fewer threads take half the time:
+    rounds are decoding steps too, so they move to fewer threads, the greedy output stays
+    transformers', and the controller forgets the pass costs it timed on every core (its fits
+    restart from the switch on)."""
+    cores = torch.get_num_threads()
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0 if torch.get_num_threads() == cores else 0.5
+        return now[0]
+
+    eng = Engine(model_dirs["llama"], kv_cache_memory=512 * BLOCK_BYTES, block_size=4, device="cpu",
+                 dtype="float32", speculative=SpeculativeConfig(num_tokens=2, early_exit_layer=1,
+                                                                draft_length="fixed"))
+    threads_in_rounds = []
+    original = eng.speculator.round
+
+    def counted_round(*args, **kwargs):
+        threads_in_rounds.append(torch.get_num_threads())
+        return original(*args, **kwargs)
+
+    eng.speculator.round = counted_round
+    eng.runner.decode_threads.clock = clock
+    eng.runner.decode_threads.explore_every = 2
+    batch = prompts(5, [6, 10, 13])
+    for prompt, out in zip(batch, eng.generate(batch, SamplingParams(max_tokens=30, ignore_eos=True))):
+        hf_oracle.check("llama", prompt, out.outputs[0].token_ids)
+    stats = eng.stats()
+    assert stats["decode_threads"] == cores - 1
+    assert threads_in_rounds[0] == cores and threads_in_rounds[-1] == cores - 1
+    assert eng.speculator.controller.costs.count("verify") < threads_in_rounds.count(cores - 1)
