@@ -1,18 +1,12 @@
 """How often drafts get proposed and accepted, per position in the round, engine-wide and smoothed.
 
-For position ``j`` (the ``j``-th draft token, 1-based): ``proposed``, the draft proposes token ``j``
-given it proposed ``j - 1`` (below 1 when the confidence threshold stops drafting or a draft ends
-its sequence); ``accepted``, the target accepts it given it was proposed and ``j - 1`` accepted.
-Each is a decayed count of hits over trials, shrunk toward the rate of position ``j - 1`` (the first
-toward 1) with the weight of ``PRIOR`` trials, so a position no round has reached goes as the
-deepest one reached. A rate is conditional on reaching its position.
-
-Rates are kept per sampling regime (``regime``: greedy, or a temperature and top-p): the
-rejection sampler accepts a sampled draft less often than greedy verification accepts the same
-draft, so a sampled batch is never priced on what greedy rounds accepted. A batch is priced on
-its sequences' rounds, pooled, with their regimes' rates (mixed regimes: by how many sequences
-each has) weighing ``BATCH_PRIOR`` trials (``batch_rates``): scenes left after report summaries
-end go by their own drafts.
+At position ``j`` (1-based), ``proposed``: the draft proposes token ``j`` given it proposed
+``j - 1``; ``accepted``: the target accepts it given ``j - 1`` accepted. Each is a decayed count
+of hits over trials, shrunk toward position ``j - 1``'s rate (the first toward 1) with the weight of
+``PRIOR`` trials. Rates are kept per sampling regime (greedy, or a temperature and top-p): the
+rejection sampler accepts a sampled draft less often than greedy verification does. A batch is
+priced on its sequences' own rounds, pooled, with their regimes' rates weighing ``BATCH_PRIOR``
+trials (``batch_rates``), so scenes left after report summaries end go by their own drafts.
 
 Invariant: every rate is in ``[0, 1]``; a regime's rates rest on its own rounds only.
 """

@@ -1,25 +1,17 @@
 """Whether the next step runs a round or decodes plainly.
 
 A round lets every sequence draft its limit (``num_tokens``, less near its token limit), each
-stopping where its draft is unsure (the confidence threshold) or ends it: what fixed rounds run.
-What is chosen, step by step, is whether a round pays at all: its expected tokens (the batch's
-acceptance rates by position, ``speculative.acceptance``, and how far each sequence is expected
-still to run, ``speculative.lengths``) against its passes' seconds (``speculative.costs``, with a
-draft model's catch-up spread over the tokens the batch still has to generate), at least
-``ROUND_MARGIN`` x plain decoding's tokens a second. Beside prompt chunks plain decoding joins
-their pass, so it costs its share of it, not the pass. The model in full: docs/speculation.md.
-
-Exploring: a fresh controller first times a plain step; then, until ``EXPLORE`` verification passes
-are timed and ``EXPLORE`` sequence-rounds seen in each sampling regime of the batch (sampled rounds
-are priced on sampled rounds), a step is a round as fixed rounds run it where a round whose every
-draft is accepted would pay. A step carrying prompt chunks neither explores nor holds.
-
-Holding: a priced decision is kept for 1 step, doubling each time pricing repeats it, up to
-``HOLD_MAX`` (plain) or ``ROUND_HOLD_MAX`` (rounds) steps; the batch as it is now is priced at once
-when a sequence joins it or its size class (1, 2-3, 4-7, ...) changes. Plain decoding learns
-nothing of acceptance, so after ``HOLD_MAX`` plain steps a round is taken (a probe) where a round
-whose every draft is accepted would pay. A draft model follows prompts at prefill only after a
-priced round (``drafting_lately``); otherwise a round first catches it up in one pass.
+stopping where its draft is unsure or ends it: what fixed rounds run. Each step it is chosen
+whether a round pays: its expected tokens (acceptance by position in the batch's sampling regimes,
+``speculative.acceptance``; how far each sequence will run, ``speculative.lengths``) against its
+seconds (``speculative.costs``, each kind of step at what such steps have taken, a draft model's
+catch-up spread over the tokens still to come), at least ``ROUND_MARGIN`` x plain decoding's
+tokens a second; beside prompt chunks plain decoding costs its share of their pass. A fresh
+controller times a plain step, then explores (fixed rounds, where a round of sure drafts would
+pay) until ``EXPLORE`` verifications and sequence-rounds of each regime are seen. A priced decision
+is held 1 step, doubling while pricing repeats it, up to ``HOLD_MAX`` (plain) or ``ROUND_HOLD_MAX``
+(rounds) steps, until a sequence joins or the batch's size class changes; after ``HOLD_MAX`` plain
+steps a round probes acceptance. The model in full: docs/speculation.md.
 
 Invariants: a chosen length is 0 or the limit; with ``fixed`` it is the limit. Decisions use past
 rounds only, so verification stays exact. Each constant is a default of ``Settings``.
@@ -105,18 +97,15 @@ class DraftLengthController:
                progress: list[tuple[int, int]] | None = None,
                behind: list[int] | None = None) -> list[int]:
         """Draft lengths for sequences of context ``lengths`` that may draft up to ``limits``;
-        ``progress``: for each, the tokens it has generated and the most it may still generate
-        (where it is expected to end comes from ``lengths``, what recent outputs ran to);
-        ``behind``: for each, the positions a draft model must fill in before it can draft."""
+        ``progress``: each one's tokens generated and the most it may still generate; ``behind``:
+        the positions a draft model must fill in before each can draft."""
         return self.decide(histories, lambda: limits, lambda: (lengths, progress, behind))
 
     def decide(self, histories: list[DraftHistory], limits: Callable[[], list[int]],
                state: Callable[[], tuple], beside_prompts: bool = False) -> list[int]:
-        """``choose`` with its ``limits`` from ``limits()``, called for every step but a held
-        plain one, and its ``lengths``, ``progress`` and ``behind`` from ``state()``, called only
-        for a step that is priced or explores (a held step needs neither). A step ``beside_prompts``
-        (it carries prompt chunks, whose pass its plain decoding joins) is always priced, on plain
-        decoding's share of that pass, and neither explores nor holds."""
+        """``choose`` with ``limits()`` read for every step but a held plain one and ``state()``
+        (``lengths``, ``progress``, ``behind``) only for a step priced or exploring. A step
+        ``beside_prompts`` (carrying prompt chunks) is always priced and neither explores nor holds."""
         if self._script:
             length = self._script.popleft()
             caps = [min(length, limit) for limit in limits()]
@@ -135,9 +124,8 @@ class DraftLengthController:
         return caps
 
     def _held(self, histories: list[DraftHistory]) -> bool | None:
-        """The held decision (a round?) if this step keeps it (and counts it off), else None. A
-        batch that a sequence joined, or whose size class changed, is priced afresh, its spans
-        starting again at 1."""
+        """The held decision (a round?) if this step keeps it (counting it off), else None; a
+        batch a sequence joined, or of another size class, is priced afresh, spans from 1."""
         if self._hold is None:
             return None
         round_, size_class, left = self._hold
@@ -160,15 +148,13 @@ class DraftLengthController:
         return list(limits) if round_ else [0] * len(limits)
 
     def drafting_lately(self) -> bool:
-        """Whether the last priced decision was a round: while it was not, a draft model's K/V of
-        new prompts is left to be filled in when a round needs it (a catch-up pass) instead of at
-        prefill."""
+        """Whether the last priced decision was a round (else a draft model skips new prompts at
+        prefill, to be caught up when a round needs them)."""
         return self.fixed or self.rounds_priced
 
     def summary(self) -> dict[str, float]:
-        """How often it drafted 0 and how often it priced its choice, and each sequence's mean
-        draft length (drafts proposed per step it decided for), summarised over the last
-        ``HISTORIES_KEPT`` sequences."""
+        """How often it drafted 0 and priced its choice, and the last ``HISTORIES_KEPT``
+        sequences' mean draft lengths (drafts proposed per step decided for)."""
         means = [h.drafted / h.decisions for h in self.histories if h.decisions] or [0.0]
         return {"spec_decisions": self.decisions, "spec_zero_drafts": self.zero,
                 "spec_plain_steps": self.plain_steps, "spec_planned": self.planned,
@@ -205,11 +191,10 @@ class DraftLengthController:
     def _pays(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
               progress: list[tuple[int, int]] | None, behind: list[int] | None,
               beside_prompts: bool = False, sure: bool = False) -> bool:
-        """Whether a round beats plain decoding by the margin, its catch-up included, priced with
-        the batch's rates (its sequences' ``histories``) or, ``sure``, with every draft accepted.
-        Beside prompt chunks plain decoding joins their pass, so it costs its rows, sequences and
-        context but not the pass's fixed part. Alike sequences are priced once, in scalar loops
-        (numpy's per-call cost outweighs a few dozen terms)."""
+        """Whether a round beats plain decoding by the margin, its catch-up included, at the
+        batch's rates or, ``sure``, every draft accepted; beside prompt chunks plain decoding costs
+        its share of their pass but not its fixed part. Alike sequences are priced once, in scalar
+        loops (numpy's per-call cost outweighs a few dozen terms)."""
         costs, batch, depth = self.costs, len(limits), max(limits)
         proposed, accepted = ([1.0] * depth,) * 2 if sure else self.acceptance.batch_rates(histories, depth)
         d, a = list(accumulate(proposed, mul)), list(accumulate(map(mul, proposed, accepted), mul))
@@ -243,4 +228,5 @@ class DraftLengthController:
             seconds += tokens / running * costs.predict("catch_up", debt, sum(
                 b * (size - b / 2) for b, size in zip(behind, lengths)), float(sum(map(bool, behind))))
         plain = max(costs.predict("plain", batch, context) - beside_prompts * costs.fixed("plain"), 1e-7)
+        seconds, plain = seconds * costs.step_factor(True, batch), plain * costs.step_factor(False, batch)
         return self.settings.round_margin * seconds / tokens <= plain / batch

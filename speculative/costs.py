@@ -1,23 +1,19 @@
 """What a forward pass costs, learned online from the passes the engine times.
 
-Five kinds of pass: ``plain`` decoding, ``verify``, a round's ``first_draft`` and later ``draft``
-passes, and a draft model's ``catch_up`` over positions it skipped. A plain pass is a verification
-pass with no drafts, so the two share the *target* fit (every round keeps plain decoding's cost
-current); the draft passes share the *draft* fit; catch-ups have their own. Each fit is
-
-    seconds = θ0 + θ1 · rows / 16 + θ2 · sequences / 16 + θ3 · context / 16384 + θ4 · extra
-
-(``rows``: query tokens; ``sequences``: the sequences they belong to, since a pass costs mostly
-per sequence; ``context``: tokens attended, summed over rows; ``extra``: 1 for a verification pass
-or a round's first draft pass), exponentially weighted ridge least squares with every coefficient
-but θ0 at least 0. Interference only adds time, so the fit leans on the fast passes: an
-observation above the last solved fit's prediction weighs ``SLOW_WEIGHT`` and counts as at most
-``SPIKE`` times it. Invariant: every prediction is the current fit's, and positive; a fit read
-before any pass predicts nothing.
+Kinds: ``plain`` decoding and ``verify`` share the *target* fit (a plain pass is a verification
+with no drafts), a round's ``first_draft`` and later ``draft`` passes the *draft* fit, a draft
+model's ``catch_up`` its own. Each fit is ``seconds = θ0 + θ1 · rows / 16 + θ2 · sequences / 16 +
+θ3 · context / 16384 + θ4 · extra`` (``extra``: 1 for a verification or a first draft pass),
+exponentially weighted ridge least squares, every coefficient but θ0 at least 0; an observation
+above the last solved fit's prediction weighs ``SLOW_WEIGHT`` and counts as at most ``SPIKE``
+times it (interference only adds time). Whole steps are then compared with what their passes' fits
+predicted (``PassCosts.step_factor``). Invariant: every prediction is the current fit's, and
+positive; a fit read before any pass predicts nothing. The model in full: docs/speculation.md.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from operator import mul
 
@@ -30,6 +26,8 @@ EXTRA = {"verify", "first_draft"}  # kinds that pay their fit's extra fixed cost
 ROW_SCALE, CONTEXT_SCALE = 16.0, 16384.0
 SPIKE = 2.0  # observations above SPIKE x the prediction count as SPIKE x the prediction
 SLOW_WEIGHT = 0.25  # the weight of an observation above the prediction
+STEP_DECAY = 0.7  # the past's weight in a kind of step's seconds over what its passes' fits predicted
+STEP_SPIKE = 4.0  # a step counts as at most this many times what its passes' fits predicted
 
 
 def _features(rows: float, context: float, sequences: float, extra: bool) -> tuple[float, ...]:
@@ -43,12 +41,9 @@ FOLD_EVERY = 64  # observations kept unfolded at most
 @dataclass(slots=True)
 class LinearFit:
     """Exponentially weighted ridge regression of seconds on ``(1, rows, sequences, context,
-    extra)`` with every coefficient but the intercept at least 0 (``theta``).
-
-    Observations are kept as they come and folded into the Gram matrix and moments together
-    when the fit is next read (a fold per plan, not per pass). Every observation kept is weighed
-    against the same last solved fit as it would have been when it came, since nothing is solved
-    between two reads."""
+    extra)``, every coefficient but the intercept at least 0 (``theta``). Observations are folded
+    in when the fit is next read (a fold per plan, not per pass), each weighed against the last
+    solved fit as when it came: nothing is solved between two reads."""
 
     decay: float = 0.97
     ridge: float = 1e-3
@@ -61,8 +56,7 @@ class LinearFit:
     def observe(self, rows: float, context: float, seconds: float,
                 sequences: float | None = None, extra: bool = False) -> None:
         """A pass over ``rows`` query tokens of ``sequences`` sequences (default: one row each)
-        attending ``context`` tokens took ``seconds``; ``extra``: a pass of the kind that pays
-        the extra fixed cost."""
+        attending ``context`` tokens took ``seconds``; ``extra``: it pays the extra fixed cost."""
         self._pending.append((_features(rows, context, rows if sequences is None else sequences, extra),
                               seconds))
         self._theta = None
@@ -70,10 +64,8 @@ class LinearFit:
             self.folded()
 
     def folded(self) -> tuple[np.ndarray, np.ndarray]:
-        """The weighted Gram matrix of the features of every pass observed, and the weighted
-        features times seconds summed over them. Folding the kept observations in, each decays
-        the past by ``decay``; one slower than the last solved fit predicts weighs ``SLOW_WEIGHT``
-        and counts as at most ``SPIKE`` times the prediction."""
+        """The weighted Gram matrix of every pass's features, and their weighted sum times
+        seconds; each observation folded in decays the past by ``decay``."""
         if self._pending:
             x = np.array([f for f, _ in self._pending])
             seconds = np.array([s for _, s in self._pending])
@@ -103,17 +95,23 @@ class LinearFit:
 
     def predict(self, rows: float, context: float, sequences: float | None = None,
                 extra: bool = False) -> float:
-        return max(sum(map(mul, self.theta,
-                           _features(rows, context, rows if sequences is None else sequences, extra))),
-                   1e-7)
+        return _seconds(self.theta, rows, context, sequences, extra)
+
+    def expected(self, rows: float, context: float, sequences: float | None = None,
+                 extra: bool = False) -> float | None:
+        """What the last solved fit predicts, solving nothing (None: none solved yet)."""
+        return None if self._solved is None else _seconds(self._solved.tolist(), rows, context, sequences, extra)
+
+
+def _seconds(theta, rows: float, context: float, sequences: float | None, extra: bool) -> float:
+    return max(sum(map(mul, theta, _features(rows, context, rows if sequences is None else sequences, extra))),
+               1e-7)
 
 
 def _nonnegative_slopes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``t`` minimising ``t' a t - 2 t' b`` with ``t[1:] >= 0``, for a positive definite ``a``:
-    Lawson and Hanson's active set. A slope whose gradient says the error falls if it grows is
-    freed; the free set's solution is approached only as far as keeps every slope at least 0, and
-    a slope that reaches 0 is held there again. Every iterate is feasible; the loop ends at the
-    optimality conditions of this convex problem (or, in a numerical tie, after its bound)."""
+    """``t`` minimising ``t' a t - 2 t' b`` with ``t[1:] >= 0``, for a positive definite ``a``, by
+    Lawson and Hanson's active set: every iterate is feasible, and the loop ends at this convex
+    problem's optimality conditions (or, in a numerical tie, after its bound)."""
     n = len(b)
     theta, free = np.zeros(n), [0]
     theta[0] = b[0] / a[0, 0]
@@ -137,21 +135,51 @@ def _nonnegative_slopes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 class PassCosts:
-    """The learned cost of each kind of pass. ``observe`` what a pass took; ``predict`` what one
-    will take (from nothing observed, the ridge's nothing: time passes first); ``count`` how many
-    of a kind were observed."""
+    """The learned cost of each kind of pass: ``observe`` what a pass took, ``predict`` what one
+    will take (from nothing observed, nothing), ``count`` those of a kind observed. Beside the
+    fits, per size class of the batch (1, 2-3, 4-7, ...), decayed sums of what whole steps took
+    (a plain pass; a round's passes through its verification) and of what their passes' fits
+    predicted: the fits lean on fast passes and are linear, so a round of many passes and rows,
+    or a plain step at some batch size, can take more than they say (``step_factor``)."""
 
     def __init__(self) -> None:
         self.fits = {name: LinearFit() for name in set(FIT_OF.values())}
         self.counts = dict.fromkeys(KINDS, 0)
+        self.steps: dict[tuple[bool, int], tuple[float, float]] = {}  # (a round?, size class) -> predicted, taken
+        self._round = [0.0, 0.0]  # the round under way: its passes' predicted and measured seconds
 
     def fit(self, kind: str) -> LinearFit:
         return self.fits[FIT_OF[kind]]
 
     def observe(self, kind: str, rows: int, context: int, seconds: float,
                 sequences: int | None = None) -> None:
-        self.fit(kind).observe(rows, context, seconds, sequences, kind in EXTRA)
+        """A pass of ``kind`` took ``seconds``; a plain pass, or a verification (which ends a
+        round), also teaches its kind of step's factor."""
+        fit = self.fit(kind)
+        expected = fit.expected(rows, context, sequences, kind in EXTRA)
+        fit.observe(rows, context, seconds, sequences, kind in EXTRA)
         self.counts[kind] += 1
+        if kind == "plain":
+            self._learn_step(False, rows, expected, seconds)
+            return
+        self._round = [self._round[0] + (math.inf if expected is None else expected),
+                       self._round[1] + seconds]
+        if kind == "verify":
+            self._learn_step(True, rows if sequences is None else sequences, *self._round)
+            self._round = [0.0, 0.0]
+
+    def _learn_step(self, round_: bool, sequences: int, expected: float | None, seconds: float) -> None:
+        if expected is None or math.isinf(expected):
+            return  # a pass whose fit was not yet solved: nothing to compare with
+        past = self.steps.get(key := (round_, int(sequences).bit_length()), (0.0, 0.0))
+        self.steps[key] = (STEP_DECAY * past[0] + expected,
+                           STEP_DECAY * past[1] + min(seconds, STEP_SPIKE * expected))
+
+    def step_factor(self, round_: bool, sequences: int) -> float:
+        """What a plain step (or a round) of a batch of ``sequences`` has taken lately over what
+        its passes' fits predicted (1 where none of its size class was timed)."""
+        expected, seconds = self.steps.get((round_, int(sequences).bit_length()), (1.0, 1.0))
+        return seconds / expected
 
     def count(self, kind: str) -> int:
         return self.counts[kind]

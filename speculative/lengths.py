@@ -1,14 +1,12 @@
 """How far running sequences will still go, from how long recent outputs ran.
 
-A sequence's hard limit (``max_tokens`` less what it generated) overstates what most generate: a
-summary asked for at most 48 tokens ends at about 25. The chance that a sequence which has
-generated ``g`` tokens is still running ``i >= 1`` tokens after its next one (``survival``) is a
-product-limit (Kaplan-Meier) estimate: for each length ``m`` from ``g + 1`` on, one less the share
-of the outputs that reached ``m`` and ended there. Recent outputs at least ``m`` long reached it,
-and so did the batch's sequences that have generated ``m`` (still running: none ended there), so
-scene descriptions still running beside ended report summaries are not expected to end with them.
-Past every output that reached a length, a sequence ends at the recorded outputs' rate (as many
-ends as they had over the tokens they ran). With nothing recorded the chance is 1.
+A hard limit overstates what most generate (a summary allowed 48 tokens ends at about 25). The
+chance that a sequence which has generated ``g`` tokens runs ``i >= 1`` past its next one
+(``survival``) is a product-limit (Kaplan-Meier) estimate: for each length ``m`` from ``g + 1`` on,
+one less the share of outputs reaching ``m`` that ended there, where the batch's running
+sequences reach what they have generated (so scenes running beside ended summaries are not
+expected to end with them). Past every output that reached a length, a sequence ends at the
+recorded outputs' rate; with nothing recorded the chance is 1.
 
 Invariant: ``survival`` is 1 at ``i = 0`` and never rises with ``i``.
 """

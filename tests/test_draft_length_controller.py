@@ -244,6 +244,30 @@ def test_a_round_must_promise_the_margin():
     assert clear.choose([clear.history], [1], [10]) == [1]
 
 
+def test_rounds_are_priced_at_what_whole_rounds_take_not_at_what_their_passes_fits_add_up_to():
+    """One-draft rounds always accepted: by the pass fits 2 tokens in 8 ms against plain
+    decoding's 1 in 5 ms. But every other verification stalls (20 ms against 5): the fits lean on
+    the fast passes, while whole rounds average 2 tokens in 14.5 ms. Priced at what its rounds
+    have taken against what their passes' fits predicted, the controller decodes plainly within
+    the spans it holds rounds for; plain steps, which take what the fit says, keep their price."""
+    controller = priced(0.001)
+    history, steps = controller.history, []
+    for step in range(60):
+        if controller.choose([history], [1], [10]) == [1]:
+            controller.observe_round(history, 1, 1, 1, False)
+            controller.observe_pass("first_draft", 1, 10, 0.001)
+            controller.observe_pass("draft", 1, 11, 0.001)
+            controller.observe_pass("verify", 2, 21, 0.020 if step % 2 else 0.005, 1)
+            steps.append("round")
+        else:
+            controller.observe_pass("plain", 1, 10, 0.005)
+            steps.append("plain")
+    assert controller.costs.predict("verify", 2, 21, 1) < 0.008
+    assert controller.costs.step_factor(True, 1) > 1.5
+    assert controller.costs.step_factor(False, 1) == pytest.approx(1.0, abs=0.05)
+    assert steps[-20:] == ["plain"] * 20, steps
+
+
 def test_a_batch_is_priced_on_its_own_rounds_not_on_the_engines():
     """Scene descriptions beside report summaries: the scene's drafts are always accepted, the
     summaries' (which drafted last) always rejected. A new sequence, with no round of its own,
