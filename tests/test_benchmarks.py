@@ -8,6 +8,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -235,6 +236,43 @@ def test_requests_arrive_three_every_two_steps_into_the_running_batch():
     assert [step for step, _, _ in at_once["c"].queued] == [0] * 4 + [4] * 4
     sampled, none = spec_bench.served("t0.7")
     assert none is None and (sampled(5).temperature, sampled(5).seed) == (0.7, 5)
+
+
+def test_paced_arrivals_come_in_time_not_in_steps(monkeypatch):
+    """With a pace, requests arrive on each engine's own clock: three every two seconds (pace 1 s)
+    whether an engine's steps take 1 s, 3 s or 0.5 s. The slow engine gets more requests a step,
+    and an engine that has run out of work waits for the next to arrive, the wait counted in its
+    seconds."""
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    class Timed:
+        def __init__(self, seconds_a_step):
+            self.seconds_a_step, self.queued, self.steps, self.running = seconds_a_step, [], 0, []
+
+        def stats(self):
+            return {"step_seconds_prefill": 0.0, "step_seconds_decode": 0.0}
+
+        def add_request(self, prompt, params):
+            self.queued.append((self.steps, prompt))
+            self.running.append(types.SimpleNamespace(request_id=prompt, token_ids=[prompt], finished=True))
+
+        def has_unfinished(self):
+            return bool(self.running)
+
+        def step(self):
+            now[0] += self.seconds_a_step
+            self.steps += 1
+            done, self.running = self.running[:1], self.running[1:]
+            return done
+
+    engines = {"one": Timed(1.0), "three": Timed(3.0), "half": Timed(0.5)}
+    runs = spec_bench.in_turns(engines, list(range(8)), 4, arrivals=(3, 2), pace=1.0)
+    steps_at = {name: [step for step, _ in engine.queued] for name, engine in engines.items()}
+    assert steps_at == {"one": [0] * 3 + [2] * 3 + [4] * 2, "three": [0] * 3 + [1] * 3 + [2] * 2,
+                        "half": [0] * 3 + [3] * 3 + [6] * 2}
+    assert runs["half"][1] == pytest.approx(5.0)  # waited 0.5 s twice for requests to arrive
+    assert runs["three"][2]["run_steps"] == 8 and runs["one"][0] == [[i] for i in range(8)]
 
 
 def test_spec_bench_refuses_an_unknown_workload():

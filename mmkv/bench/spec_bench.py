@@ -88,8 +88,8 @@ PARAMS = SamplingParams(max_tokens=48)
 LOADS = ("scenes", "summaries", "short", "mixed")  # the workloads (``workloads``)
 TUNED_BATCHES = (1, 8, 32)  # the batch sizes the controller's rules were tuned at
 # How a workload's requests are served: greedy and all at once (what the rules were tuned on),
-# sampled at a temperature (seeded), or greedy arriving ARRIVALS[0] every ARRIVALS[1] steps
-# into the running batch (from the batch's first step on, so later ones join sequences mid-way).
+# sampled at a temperature (seeded), or greedy arriving ARRIVALS[0] at a time into the running
+# batch, every ARRIVALS[1] of plain decoding's steps (``in_turns``' ``pace``), from the first on.
 REGIMES = ("greedy", "t0.7", "t1.0", "arrivals")
 ARRIVALS = (3, 2)
 METHODS = ("early_exit", "draft")  # the speculative configs (plain_again: plain beside plain)
@@ -184,16 +184,22 @@ def serve(engine: Engine, prompts: list, batch: int) -> list:
 
 def in_turns(engines: dict[str, Engine], prompts: list, batch: int, seed: int = 0,
              params: Callable[[int], SamplingParams] = lambda i: PARAMS,
-             arrivals: tuple[int, int] | None = None) -> dict[str, tuple[list, float, dict]]:
+             arrivals: tuple[int, int] | None = None,
+             pace: float | None = None) -> dict[str, tuple[list, float, dict]]:
     """Every engine serves ``prompts`` ``batch`` at a time as ``serve`` does, the engines taking
     turns step by step: one step of each in an order drawn afresh every turn from ``seed``, the
     first turn led by engine ``seed`` (modulo their number), and a turn never starting with the
     engine that ended the one before. Each engine queues a batch in its turn, just before its
     step; prompt ``i`` with ``params(i)``. With ``arrivals`` (``k``, ``n``) the prompts are one
-    stream instead: each engine queues ``k`` more before every ``n``-th of its steps, its
-    scheduler running ``batch`` at a time. For
-    each: its outputs' token ids in order, the seconds its own calls took and its stats
-    (``run_<phase>_seconds``: this run's step seconds, a warm-up before it left out).
+    stream instead, its scheduler running ``batch`` at a time: with ``pace`` (seconds), ``k``
+    more arrive every ``n * pace`` seconds of each engine's own clock (the seconds its calls took,
+    and those it waited with nothing to run for the next ones to arrive); without, each engine
+    queues ``k`` more before every ``n``-th of its steps. Requests arrive in time, not in steps:
+    counted in its steps, an engine whose steps are longer (a speculative round makes several
+    tokens in one) would receive its stream later, and a run would measure that schedule instead
+    of the engine. For each: its outputs' token ids in order, the seconds its own calls took (and
+    waited) and its stats (``run_<phase>_seconds``: this run's step seconds, a warm-up before it
+    left out; ``run_steps``: its steps).
 
     This machine's speed drifts over a second or two, and one engine's run after another's
     compares two moments as much as two engines; taking turns every step puts the same moments in
@@ -214,10 +220,19 @@ def in_turns(engines: dict[str, Engine], prompts: list, batch: int, seed: int = 
     outputs: dict[str, dict[int, list[int]]] = {name: {} for name in names}
     clock = time.perf_counter
     chunk, (arriving, every) = (len(prompts), arrivals) if arrivals else (batch, (batch, 1))
+    total_steps = dict.fromkeys(names, 0)
+
+    def queue(name: str, end: int) -> None:
+        requests = range(given[name], min(given[name] + arriving, end))
+        for i in requests:
+            engines[name].add_request(prompts[i], params(i))
+        given[name] = requests.stop
+
     with gc_paused():
         for first in range(0, len(prompts), chunk):
             given = dict.fromkeys(names, first)  # each engine's next prompt to queue
             steps = dict.fromkeys(names, 0)  # each engine's steps in this chunk
+            due = dict.fromkeys(names, 0.0)  # with a pace: when its next requests arrive
             end = min(first + chunk, len(prompts))
             while live := [name for name in names if given[name] < end or engines[name].has_unfinished()]:
                 turn = order.sample(live, len(live))
@@ -228,13 +243,17 @@ def in_turns(engines: dict[str, Engine], prompts: list, batch: int, seed: int = 
                     turn[0], turn[-1] = turn[-1], turn[0]
                 last = turn[-1]
                 for name in turn:
+                    if pace is not None and arrivals:
+                        if not engines[name].has_unfinished():  # it waits for the next to arrive
+                            seconds[name] = max(seconds[name], due[name])
+                        while given[name] < end and seconds[name] >= due[name]:
+                            queue(name, end)
+                            due[name] += every * pace
                     start = clock()
-                    if steps[name] % every == 0:
-                        queue = range(given[name], min(given[name] + arriving, end))
-                        for i in queue:
-                            engines[name].add_request(prompts[i], params(i))
-                        given[name] = queue.stop
+                    if (pace is None or not arrivals) and steps[name] % every == 0:
+                        queue(name, end)
                     steps[name] += 1
+                    total_steps[name] += 1
                     finished = [o for o in engines[name].step() if o.finished]
                     seconds[name] += clock() - start
                     outputs[name].update((o.request_id, o.token_ids) for o in finished)
@@ -243,6 +262,7 @@ def in_turns(engines: dict[str, Engine], prompts: list, batch: int, seed: int = 
         stats = engines[name].stats()
         for phase in ("prefill", "decode"):
             stats[f"run_{phase}_seconds"] = stats[f"step_seconds_{phase}"] - warm[name][f"step_seconds_{phase}"]
+        stats["run_steps"] = total_steps[name]
         runs[name] = ([ids for _, ids in sorted(outputs[name].items())], seconds[name], stats)
     return runs
 
@@ -274,7 +294,8 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
     runs as fast as alone, while among many engines taking turns plain decoding slows more than
     speculation does, which would read as a larger speedup. ``regimes``: each workload's way of
     being served (``served``; default greedy, all at once); an all-accepted config runs on greedy
-    workloads only."""
+    workloads only. Requests arriving into a running batch arrive at the pace of plain decoding's
+    steps in the workload's first round (``pace_of``), the same for every engine after it."""
     regimes = regimes or {}
     runs_on = {load: [name for name in configs if not name.endswith(ALL_ACCEPTED)
                       or regimes.get(load, "greedy") == "greedy"] for load in prompts}
@@ -283,6 +304,7 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
             if regimes.get(load, "greedy") == "greedy"}
            if any(name.endswith(ALL_ACCEPTED) for name in configs) else {})
     counted, spent = dict.fromkeys(prompts, 0), dict.fromkeys(prompts, 0.0)
+    paces: dict[str, float] = {}  # a workload's plain seconds a step in the first round: arrivals' pace
 
     def wanted(load: str) -> bool:  # counted rounds come in pairs, each engine leading one (``paired``)
         n = counted[load]
@@ -299,13 +321,21 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
                 engines = {other: fresh_engine(model, warm[load], batch, configs.get(other)),
                            name: fresh_engine(model, warm[load], batch, configs[name],
                                               own[load] if name.endswith(ALL_ACCEPTED) else None)}
-                runs = in_turns(engines, subset, batch, seed=round_, params=params, arrivals=arrivals)
+                runs = in_turns(engines, subset, batch, seed=round_, params=params, arrivals=arrivals,
+                                pace=paces.get(load))
+                if PLAIN in runs:
+                    paces.setdefault(load, pace_of(runs[PLAIN]))
                 if round_:
                     pairs[name, load].append((runs[name], runs[other]))
                     spent[load] += runs[name][1] + runs[other][1]
             counted[load] += bool(round_)
         round_ += 1
     return pairs
+
+
+def pace_of(run: tuple[list, float, dict]) -> float:
+    """A run's seconds a step (``in_turns``' pace for arrivals)."""
+    return run[1] / max(run[2]["run_steps"], 1)
 
 
 def partner(name: str, configs: dict) -> str:

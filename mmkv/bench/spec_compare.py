@@ -22,8 +22,8 @@ import argparse
 from dataclasses import fields, replace
 from pathlib import Path
 
-from mmkv.bench.spec_bench import (LOADS, PLAIN, REGIMES, fresh_engine, in_turns, paired, served, warm_ups,
-                                   workloads)
+from mmkv.bench.spec_bench import (LOADS, PLAIN, REGIMES, fresh_engine, in_turns, pace_of, paired, served,
+                                   warm_ups, workloads)
 from mmkv.bundled import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL, BUNDLED_SPECULATION
 from speculative import SpeculativeConfig
 from speculative.controller import Settings
@@ -70,10 +70,12 @@ def run(args: argparse.Namespace) -> dict:
     equal = True
     params, arrivals = served(args.regime)
     rounds = -(-args.rounds // len(ENGINES)) * len(ENGINES)
+    pace = None
     for round_, counted in enumerate([False] + [True] * rounds):
         engines = {name: fresh_engine(args.model, warm_up, args.batch, config)
                    for name, config in zip(ENGINES, (None, speculative, changed))}
-        runs = in_turns(engines, prompts, args.batch, seed=round_, params=params, arrivals=arrivals)
+        runs = in_turns(engines, prompts, args.batch, seed=round_, params=params, arrivals=arrivals, pace=pace)
+        pace = pace or pace_of(runs[PLAIN])  # the first round's plain steps pace the later ones' arrivals
         equal &= runs["old"][0] == runs[PLAIN][0] == runs["new"][0]
         if counted:
             for name, run in runs.items():
