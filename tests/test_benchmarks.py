@@ -392,6 +392,7 @@ def test_spec_compare_runs_the_new_engine_on_its_settings():
     assert result["outputs_equal"] and result["settings"] == {"round_margin": 100.0}
     assert result["drafted_new"] < result["drafted_old"] / 2, result
     assert len(result["new_over_old_rounds"]) == 3 and result["new_over_old"] > 0  # one led by each engine
+    assert {"decode_threads_plain", "decode_threads_old", "decode_threads_new"} <= set(result)
     with pytest.raises(SystemExit, match="explores=1"):
         spec_compare.run(parser.parse_args(["--set", "explores=1"]))
 

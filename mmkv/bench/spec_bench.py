@@ -7,8 +7,8 @@ rules were tuned on (at batch sizes 1, 8 and 32); ``t0.7`` and ``t1.0`` sample a
 temperature (each request seeded by its place; outputs compared by distribution:
 ``token_tv_<config>_<cell>``, the total variation distance between the token frequencies of a
 config's runs and its partner's, ``plain_again`` the noise floor); ``arrivals`` serves the
-workload greedily as one stream, three requests joining the running batch every two steps (not
-at batch 1). A cell of a regime other than greedy is named ``<method>_<workload>_<regime>_b<N>``.
+workload greedily as one stream, three requests joining the running batch every two of plain
+decoding's steps, in time (``in_turns``' pace; not at batch 1). A cell of a regime other than greedy is named ``<method>_<workload>_<regime>_b<N>``.
 Cells of another regime or batch size are held out (``held_out_cells``): ``min_speedup`` and
 ``controller_vs_best_fixed_min`` are over every cell, and each also comes ``_tuned`` and
 ``_held_out``, so a reader sees whether a rule generalises.

@@ -6,8 +6,10 @@ and one on the changed settings (``new``), fresh and warmed up as ``bench spec``
 the same prompts taking turns step by step (``spec_bench.in_turns``), each engine leading a third
 of the rounds. It reports ``new_over_old`` (old's seconds over new's: above 1, the change is
 faster) and each one's speedup over the plain engine, per round and as the median over groups of
-three rounds, one led by each engine (``spec_bench.paired``), and the draft tokens each
-speculative engine proposed; the first round is left out (it warms the process). ``--set`` takes
+three rounds, one led by each engine (``spec_bench.paired``), the draft tokens each
+speculative engine proposed, and the thread count each engine's decoding steps ended on with the
+log of the other count's time over it (``decode_threads_<engine>``, from the last round); the
+first round is left out (it warms the process). ``--set`` takes
 any field of ``speculative.controller.Settings``; without it the two speculative engines are
 identical, which shows the comparison's own noise.
 
@@ -91,6 +93,8 @@ def run(args: argparse.Namespace) -> dict:
         result[f"{key}_rounds"] = [round(b / s, 3) for b, s in zip(seconds[base], seconds[variant])]
         result[f"{key}_with_calibration"] = round(paired(calibrated[base], calibrated[variant], len(ENGINES)), 3)
     result.update({f"drafted_{name}": count for name, count in drafted.items()})
+    result.update({f"decode_threads_{name}": [run[2].get("decode_threads"), run[2].get("decode_threads_log_ratio")]
+                   for name, run in runs.items()})
     if not args.regime.startswith("t"):  # sampled outputs are compared by distribution (bench spec)
         result["outputs_equal"] = equal
     return result
