@@ -20,7 +20,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, TemperatureLogitsWa
 
 from mmkv import Engine, SamplingParams
 from speculative import SpeculativeConfig
-from test_speculative_engine import FrozenCosts
+from test_speculative_engine import freeze_costs
 from tiny_models import LEARNING
 
 VOCAB = 16
@@ -107,8 +107,7 @@ def sample_many(directory, n: int, speculative: SpeculativeConfig | None, **filt
     eng = Engine(directory, kv_cache_memory=1 << 22, host_kv_memory=1 << 20, block_size=4,
                  device="cpu", speculative=speculative)
     if speculative is not None:
-        eng.speculator.controller.costs = FrozenCosts(draft=lambda r: 0.01 + 1e-5 * r,
-                                                      verify=lambda r: 1 + 1e-4 * r)
+        freeze_costs(eng, draft=lambda r: 0.01 + 1e-5 * r, verify=lambda r: 1 + 1e-4 * r)
     outs = eng.generate([PROMPT] * n, params)
     return outs, eng.stats()
 

@@ -354,6 +354,13 @@ class FrozenCosts(PassCosts):
         """Measured passes teach it nothing."""
 
 
+def freeze_costs(eng: Engine, **script: Callable[[int], float]) -> None:
+    """Give the engine's controller ``FrozenCosts(**script)`` and keep its decoding steps on one
+    thread count (a switch would have the controller learn its pass costs afresh)."""
+    eng.speculator.controller.costs = FrozenCosts(**script)
+    eng.runner.decode_threads = None
+
+
 @pytest.fixture(scope="module")
 def damped_pair(model_dirs, tmp_path_factory):
     """The tiny Llama with its second layer's output projections scaled by 0.3, so that its first
@@ -391,8 +398,7 @@ def test_controlled_draft_lengths_keep_greedy_output_at_every_batch_size(damped_
         eng = spec_engine(target, k=1, gamma=6, max_num_seqs=batch, settings=priced)
     else:
         eng = draft_engine(target, draft, gamma=6, max_num_seqs=batch, settings=priced)
-    eng.speculator.controller.costs = FrozenCosts(draft=lambda r: 0.1 + 0.01 * r,
-                                                  verify=lambda r: 1 + 0.02 * r)
+    freeze_costs(eng, draft=lambda r: 0.1 + 0.01 * r, verify=lambda r: 1 + 0.02 * r)
     outs = eng.generate(batch_prompts, GREEDY)
     plain = Engine(target, kv_cache_memory=1024 * BLOCK_BYTES, host_kv_memory=1 << 20,
                    block_size=4, device="cpu", max_num_seqs=batch).generate(batch_prompts, GREEDY)
@@ -412,7 +418,7 @@ def test_a_draft_model_left_behind_by_plain_steps_catches_up(model_dirs, hf_orac
     batch = prompts(70, [6, 9, 12, 15])
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 10, 80, 100)]
     eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
-    eng.speculator.controller.costs = FrozenCosts(draft=lambda r: 0.2 + 0.14 * r, verify=lambda r: 1.0)
+    freeze_costs(eng, draft=lambda r: 0.2 + 0.14 * r, verify=lambda r: 1.0)
     outs = eng.generate(batch, params)
     for p, o, n in zip(batch, outs, (8, 10, 80, 100)):
         assert o.token_ids == hf_oracle("llama", p, n)
@@ -428,7 +434,7 @@ def test_a_draft_model_speculates_again_after_plain_steps_between_rounds(model_d
     draft, a watermark off by one after a round shows as a rejection."""
     first, later = prompts(71, [7, 10]), prompts(72, [5, 6])
     eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
-    eng.speculator.controller.costs = FrozenCosts(draft=lambda r: 0.2 + 0.14 * r, verify=lambda r: 1.0)
+    freeze_costs(eng, draft=lambda r: 0.2 + 0.14 * r, verify=lambda r: 1.0)
     long, short = SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=6, ignore_eos=True)
     ids = [eng.add_request(p, long) for p in first]
     outputs = {}
@@ -454,7 +460,7 @@ def test_a_draft_model_skipped_at_prefill_is_filled_in_not_trusted(model_dirs, h
     serves a later hit as far as its blocks reach. With the target as its own draft, any position
     read without current draft K/V shows as a rejection."""
     eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=3)
-    eng.speculator.controller.costs = FrozenCosts(draft=lambda r: 0.01, verify=lambda r: 1.0)  # rounds always pay
+    freeze_costs(eng, draft=lambda r: 0.01, verify=lambda r: 1.0)  # rounds always pay
     [doc, other] = prompts(80, [21, 18])
     one_token = SamplingParams(max_tokens=1, ignore_eos=True)
     follow = [False]
