@@ -38,8 +38,10 @@ def module_cross_layer(layer, hidden, step):
 
 def assert_same_as_modules(build, requests, monkeypatch) -> None:
     """``build()`` makes an engine; compared: packed fused layers, plain fused layers, modules
-    (for cross-attention layers too, where the model has them)."""
+    (for cross-attention layers too, where the model has them). Each engine decodes on one thread
+    count throughout (its steps exploring another would sum in another order)."""
     packed = build()
+    packed.runner.decode_threads = None
     assert packed.model.fused and all(isinstance(f.qkv, PackedLinear) and f.input_norm.kernel is not None
                                       for f in packed.model.fused.values())
     packed_logits = captured_logits(packed, requests, P)
@@ -50,6 +52,7 @@ def assert_same_as_modules(build, requests, monkeypatch) -> None:
         plain = build()
     finally:
         native.library.cache_clear()
+    plain.runner.decode_threads = None
     assert all(norm.kernel is None for f in plain.model.fused.values() for norm in (f.input_norm, f.mlp.norm))
     fused = captured_logits(plain, requests, P)
     plain.kv.tree.evict(plain.kv.pool.num_blocks)  # the second run reuses nothing cached

@@ -323,7 +323,7 @@ def interleaved(model: Path, prompts: dict[str, list], warm: dict[str, list], ba
                                               own[load] if name.endswith(ALL_ACCEPTED) else None)}
                 runs = in_turns(engines, subset, batch, seed=round_, params=params, arrivals=arrivals,
                                 pace=paces.get(load))
-                if PLAIN in runs:
+                if arrivals and PLAIN in runs:
                     paces.setdefault(load, pace_of(runs[PLAIN]))
                 if round_:
                     pairs[name, load].append((runs[name], runs[other]))

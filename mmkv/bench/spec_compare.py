@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> dict:
         engines = {name: fresh_engine(args.model, warm_up, args.batch, config)
                    for name, config in zip(ENGINES, (None, speculative, changed))}
         runs = in_turns(engines, prompts, args.batch, seed=round_, params=params, arrivals=arrivals, pace=pace)
-        pace = pace or pace_of(runs[PLAIN])  # the first round's plain steps pace the later ones' arrivals
+        if arrivals and pace is None:  # the first round's plain steps pace the later ones' arrivals
+            pace = pace_of(runs[PLAIN])
         equal &= runs["old"][0] == runs[PLAIN][0] == runs["new"][0]
         if counted:
             for name, run in runs.items():
