@@ -2,7 +2,6 @@
 drafts in cached blocks, and no blocks of its own (sampling: test_sampling_distribution.py)."""
 
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -561,21 +560,24 @@ def test_a_draft_model_tells_the_controller_how_far_behind_each_sequence_is(mode
 @pytest.mark.parametrize("method", ["early_exit", "draft_model"])
 def test_a_steps_scheduling_is_timed_with_its_target_pass(model_dirs, tmp_path, monkeypatch, method):
     """Scheduling a step (a round's slot reservations, the controller's own pricing) is part of
-    what the step costs: 20 ms spent scheduling every step show in every plain step's timing and
-    in every round's verification (plain and verification passes share one cost fit, so a round
-    pays for its scheduling once), and in no other pass."""
+    what the step costs: on a clock that only scheduling moves (a second a step), every plain
+    step's timing and every round's verification show that second (plain and verification
+    passes share one cost fit, so a round pays for its scheduling once), and no other pass does."""
     if method == "early_exit":
         eng = spec_engine(model_dirs["llama"])
     else:
         eng = draft_engine(model_dirs["llama"], build_model("llama", tmp_path / "draft", seed=3,
                                                             num_hidden_layers=1))
-    schedule = type(eng.scheduler).schedule
-    monkeypatch.setattr(type(eng.scheduler), "schedule", lambda self: (time.sleep(0.02), schedule(self))[1])
+    now = [0.0]
     controller, passes = eng.speculator.controller, []
+    controller.clock = lambda: now[0]
+    schedule = type(eng.scheduler).schedule
+    monkeypatch.setattr(type(eng.scheduler), "schedule",
+                        lambda self: (now.__setitem__(0, now[0] + 1.0), schedule(self))[1])
     observe = controller.observe_pass
     monkeypatch.setattr(controller, "observe_pass", lambda kind, rows, context, seconds, sequences=None: (
         passes.append((kind, seconds)), observe(kind, rows, context, seconds, sequences)))
     eng.generate(prompts(83, [9, 14]), SamplingParams(max_tokens=12, ignore_eos=True))
     assert {"plain", "first_draft", "draft", "verify"} <= {kind for kind, _ in passes}, passes
-    assert all(s >= 0.02 for kind, s in passes if kind in ("plain", "verify")), passes
-    assert all(s < 0.02 for kind, s in passes if kind not in ("plain", "verify")), passes
+    assert all(s == 1.0 for kind, s in passes if kind in ("plain", "verify")), passes
+    assert all(s == 0.0 for kind, s in passes if kind not in ("plain", "verify")), passes
