@@ -138,7 +138,7 @@ class PassCosts:
     """The learned cost of each kind of pass: ``observe`` what a pass took, ``predict`` what one
     will take (from nothing observed, nothing), ``count`` those of a kind observed. Beside the
     fits, per size class of the batch (1, 2-3, 4-7, ...), decayed sums of what whole steps took
-    (a plain pass; a round's passes through its verification) and of what their passes' fits
+    (a plain pass; a round's from its first draft through its verification) and of what their passes' fits
     predicted: the fits lean on fast passes and are linear, so a round of many passes and rows,
     or a plain step at some batch size, can take more than they say (``step_factor``)."""
 
@@ -146,7 +146,7 @@ class PassCosts:
         self.fits = {name: LinearFit() for name in set(FIT_OF.values())}
         self.counts = dict.fromkeys(KINDS, 0)
         self.steps: dict[tuple[bool, int], tuple[float, float]] = {}  # (a round?, size class) -> predicted, taken
-        self._round = [0.0, 0.0]  # the round under way: its passes' predicted and measured seconds
+        self._round = (0.0, 0.0)  # the round under way: its passes' predicted and measured seconds
 
     def fit(self, kind: str) -> LinearFit:
         return self.fits[FIT_OF[kind]]
@@ -162,11 +162,10 @@ class PassCosts:
         if kind == "plain":
             self._learn_step(False, rows, expected, seconds)
             return
-        self._round = [self._round[0] + (math.inf if expected is None else expected),
-                       self._round[1] + seconds]
+        past = (0.0, 0.0) if kind == "first_draft" else self._round  # a round starts at its first draft
+        self._round = (past[0] + (math.inf if expected is None else expected), past[1] + seconds)
         if kind == "verify":
             self._learn_step(True, rows if sequences is None else sequences, *self._round)
-            self._round = [0.0, 0.0]
 
     def _learn_step(self, round_: bool, sequences: int, expected: float | None, seconds: float) -> None:
         if expected is None or math.isinf(expected):

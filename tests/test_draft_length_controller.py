@@ -268,6 +268,22 @@ def test_rounds_are_priced_at_what_whole_rounds_take_not_at_what_their_passes_fi
     assert steps[-20:] == ["plain"] * 20, steps
 
 
+def test_a_rounds_step_factor_counts_its_own_passes_only():
+    """A round is timed from its first draft pass through its verification: a catch-up pass run
+    beside a prompt between two rounds (a second, far above its fit) is not added to the next
+    round, which takes what its passes' fits say."""
+    costs = PassCosts()
+    for kind, rows, seconds in (("first_draft", 1, 0.001), ("draft", 1, 0.001), ("verify", 2, 0.005),
+                                ("catch_up", 40, 0.004)):
+        costs.observe(kind, rows, 10 * rows, seconds, 1)
+    for fit in costs.fits.values():
+        assert fit.theta[0] > 0.0  # solved: the passes that follow are compared with it
+    a_round = (("first_draft", 1, 0.001), ("draft", 1, 0.001), ("verify", 2, 0.005))
+    for kind, rows, seconds in (*a_round, ("catch_up", 40, 1.0), *a_round):
+        costs.observe(kind, rows, 10 * rows, seconds, 1)
+    assert costs.step_factor(True, 1) == pytest.approx(1.0, abs=0.2)
+
+
 def test_a_batch_is_priced_on_its_own_rounds_not_on_the_engines():
     """Scene descriptions beside report summaries: the scene's drafts are always accepted, the
     summaries' (which drafted last) always rejected. A new sequence, with no round of its own,
