@@ -10,10 +10,9 @@ So a decoding step (plain, or a speculative round, whose draft passes run one ro
 whose verification a few) runs on every core (``wide``) or on one fewer (``narrow``), whichever
 measures faster: the count in use is ``chosen``; every ``explore_every``-th decoding step that
 follows one on ``chosen`` of the same shape (the engine's: the batch size, and whether a round)
-runs on the other count, and the log of its time over that
-previous step's is smoothed into ``log_ratio`` (the other count's time relative to ``chosen``'s):
-the mean of the samples while there are fewer than ``1 / smoothing``, exponentially smoothed
-after. When the estimate, resting on at least ``settle_after`` samples, says the other count is
+runs on the other count, and the log of its time over that previous step's is smoothed into
+``log_ratio`` (the other count's time relative to ``chosen``'s): the mean of the samples while
+there are fewer than ``1 / smoothing``, exponentially smoothed after. When the estimate, resting on at least ``settle_after`` samples, says the other count is
 faster by more than ``margin``, it becomes ``chosen``. Steps with prompt tokens always take every
 core: their GEMMs are compute-bound.
 

@@ -8,8 +8,8 @@ temperature (each request seeded by its place; outputs compared by distribution:
 ``token_tv_<config>_<cell>``, the total variation distance between the token frequencies of a
 config's runs and its partner's, ``plain_again`` the noise floor); ``arrivals`` serves the
 workload greedily as one stream, three requests joining the running batch every two of plain
-decoding's steps, in time (``in_turns``' pace; not at batch 1). A cell of a regime other than greedy is named ``<method>_<workload>_<regime>_b<N>``.
-Cells of another regime or batch size are held out (``held_out_cells``): ``min_speedup`` and
+decoding's steps, in time (``in_turns``' pace; not at batch 1). A cell of a regime other than
+greedy is named ``<method>_<workload>_<regime>_b<N>``. Cells of another regime or batch size are held out (``held_out_cells``): ``min_speedup`` and
 ``controller_vs_best_fixed_min`` are over every cell, and each also comes ``_tuned`` and
 ``_held_out``, so a reader sees whether a rule generalises.
 
@@ -220,6 +220,7 @@ def in_turns(engines: dict[str, Engine], prompts: list, batch: int, seed: int = 
     outputs: dict[str, dict[int, list[int]]] = {name: {} for name in names}
     clock = time.perf_counter
     chunk, (arriving, every) = (len(prompts), arrivals) if arrivals else (batch, (batch, 1))
+    paced = bool(arrivals) and pace is not None  # requests arrive in time, not every ``every`` steps
     total_steps = dict.fromkeys(names, 0)
 
     def queue(name: str, end: int) -> None:
@@ -243,14 +244,14 @@ def in_turns(engines: dict[str, Engine], prompts: list, batch: int, seed: int = 
                     turn[0], turn[-1] = turn[-1], turn[0]
                 last = turn[-1]
                 for name in turn:
-                    if pace is not None and arrivals:
+                    if paced:
                         if not engines[name].has_unfinished():  # it waits for the next to arrive
                             seconds[name] = max(seconds[name], due[name])
                         while given[name] < end and seconds[name] >= due[name]:
                             queue(name, end)
                             due[name] += every * pace
                     start = clock()
-                    if (pace is None or not arrivals) and steps[name] % every == 0:
+                    if not paced and steps[name] % every == 0:
                         queue(name, end)
                     steps[name] += 1
                     total_steps[name] += 1

@@ -6,12 +6,11 @@ and one on the changed settings (``new``), fresh and warmed up as ``bench spec``
 the same prompts taking turns step by step (``spec_bench.in_turns``), each engine leading a third
 of the rounds. It reports ``new_over_old`` (old's seconds over new's: above 1, the change is
 faster) and each one's speedup over the plain engine, per round and as the median over groups of
-three rounds, one led by each engine (``spec_bench.paired``), the draft tokens each
-speculative engine proposed, and the thread count each engine's decoding steps ended on with the
-log of the other count's time over it (``decode_threads_<engine>``, from the last round); the
-first round is left out (it warms the process). ``--set`` takes
-any field of ``speculative.controller.Settings``; without it the two speculative engines are
-identical, which shows the comparison's own noise.
+three rounds, one led by each engine (``spec_bench.paired``), the draft tokens each speculative
+engine proposed, and the thread count each engine's decoding steps ended on with the log of the
+other count's time over it (``decode_threads_<engine>``, from the last round); the first round is
+left out (it warms the process). ``--set`` takes any field of ``speculative.controller.Settings``;
+without it the two speculative engines are identical, which shows the comparison's own noise.
 
 Three engines taking turns run slower than two, and speculation loses less of its speed among
 three than plain decoding does, so the speedups here read higher than ``bench spec``'s pairs; the
