@@ -18,6 +18,7 @@ from mmkv.bench import __main__ as bench_main
 from mmkv.bench import llama_cpp_peer, rotated, spec_bench, spec_compare
 from speculative import SpeculativeConfig
 from speculative.controller import DraftLengthController
+from test_speculative_engine import freeze_costs
 
 ROOT = Path(__file__).parent.parent
 
@@ -381,10 +382,19 @@ def test_an_all_accepted_run_accepts_every_draft_and_keeps_the_outputs(method):
     assert stats["spec_accepted_tokens"] == stats["spec_drafted_tokens"]
 
 
-def test_spec_compare_runs_the_new_engine_on_its_settings():
-    """``bench spec-compare``: with a round margin of 100 the new engine drafts only while it
-    explores, the default one on (early exit pays on the scenes); the outputs stay plain
-    decoding's. A setting that does not exist is refused naming it."""
+def test_spec_compare_runs_the_new_engine_on_its_settings(monkeypatch):
+    """``bench spec-compare``: on frozen pass costs where rounds pay (so nothing rests on live
+    timings), the default engine drafts and one with a round margin of 100 does not; the outputs
+    stay plain decoding's. A setting that does not exist is refused naming it."""
+    fresh = spec_compare.fresh_engine
+
+    def frozen(*args, **kwargs):
+        engine = fresh(*args, **kwargs)
+        if engine.speculator is not None:
+            freeze_costs(engine, draft=lambda r: 0.01 + 1e-5 * r, verify=lambda r: 1 + 1e-4 * r)
+        return engine
+
+    monkeypatch.setattr(spec_compare, "fresh_engine", frozen)
     parser = argparse.ArgumentParser()
     spec_compare.add_arguments(parser)
     result = spec_compare.run(parser.parse_args(["--batch", "2", "--requests", "2", "--rounds", "1",
