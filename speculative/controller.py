@@ -7,8 +7,9 @@ whether a round pays: its expected tokens (acceptance by position in the batch's
 seconds (``speculative.costs``, each kind of step at what such steps have taken, a draft model's
 catch-up spread over the tokens still to come), at least ``ROUND_MARGIN`` x plain decoding's
 tokens a second; beside prompt chunks plain decoding costs its share of their pass. A fresh
-controller times a plain step, then explores (fixed rounds, where a round of sure drafts would
-pay) until ``EXPLORE`` verifications and sequence-rounds of each regime are seen. A priced decision
+controller times a plain step, then explores (fixed rounds where a round of sure drafts would
+pay, a draft model's first with the 1 in ``FIRST_SHARE`` of the batch it has least to catch up)
+until ``EXPLORE`` verifications and sequence-rounds of each regime are seen. A priced decision
 is held 1 step, doubling while pricing repeats it, up to ``HOLD_MAX`` (plain) or ``ROUND_HOLD_MAX``
 (rounds) steps, until a sequence joins or the batch's size class changes; after ``HOLD_MAX`` plain
 steps a round probes acceptance. The model in full: docs/speculation.md.
@@ -35,6 +36,7 @@ ROUND_MARGIN = 1.05  # a round must promise this x plain decoding's goodput
 HOLD_MAX = 64  # the most steps a priced plain decision is held
 ROUND_HOLD_MAX = 16  # the most steps a priced round is held
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
+FIRST_SHARE = 4  # a draft model's first round catches up 1 in this many sequences (the least behind)
 CALIBRATE = 0  # 1: the engine times its passes before its first request (0: it learns in its first steps)
 
 
@@ -49,6 +51,7 @@ class Settings:
     hold_max: int = HOLD_MAX
     round_hold_max: int = ROUND_HOLD_MAX
     calibrate: int = CALIBRATE
+    first_share: int = FIRST_SHARE
 
 
 class DraftLengthController:
@@ -153,8 +156,7 @@ class DraftLengthController:
         return self.fixed or self.rounds_priced
 
     def summary(self) -> dict[str, float]:
-        """How often it drafted 0 and priced its choice, and the last ``HISTORIES_KEPT``
-        sequences' mean draft lengths (drafts proposed per step decided for)."""
+        """Decisions, of them 0 and priced, and recent sequences' mean draft lengths (drafts a step)."""
         means = [h.drafted / h.decisions for h in self.histories if h.decisions] or [0.0]
         return {"spec_decisions": self.decisions, "spec_zero_drafts": self.zero,
                 "spec_plain_steps": self.plain_steps, "spec_planned": self.planned,
@@ -176,14 +178,16 @@ class DraftLengthController:
               beside_prompts: bool = False) -> list[int]:
         costs, explore, batch = self.costs, self.settings.explore, len(limits)
         state = (histories, limits, lengths, progress, behind, beside_prompts)
-        if not any(limits):
+        if not any(limits) or not costs.count("plain"):  # a plain pass is timed first: pricing needs it
             return [0] * batch
-        if not costs.count("plain"):
-            return [0] * batch  # a plain pass is timed first: pricing needs it
         if costs.count("verify") < explore or self.acceptance.rounds(histories) < explore:
             if costs.count("verify") and not self._pays(*state, sure=True):  # not even a sure draft pays
                 return self._priced(False, limits, beside_prompts)
-            return [0] * batch if beside_prompts else list(limits)
+            if beside_prompts or costs.count("verify") or not behind:
+                return [0] * batch if beside_prompts else list(limits)
+            share = max(-(-batch // self.settings.first_share), behind.count(0))  # the least behind
+            first = set(sorted(range(batch), key=behind.__getitem__)[:share])
+            return [limit if i in first else 0 for i, limit in enumerate(limits)]
         if self._plain_run >= self.settings.hold_max and not beside_prompts and self._pays(*state, sure=True):
             return list(limits)  # a probe: plain decoding has learned nothing of acceptance
         return self._priced(self._pays(*state), limits, beside_prompts)

@@ -28,14 +28,12 @@ SPIKE = 2.0  # observations above SPIKE x the prediction count as SPIKE x the pr
 SLOW_WEIGHT = 0.25  # the weight of an observation above the prediction
 STEP_DECAY = 0.7  # the past's weight in a kind of step's seconds over what its passes' fits predicted
 STEP_SPIKE = 4.0  # a step counts as at most this many times what its passes' fits predicted
+NUM_FEATURES = 5
+FOLD_EVERY = 64  # observations kept unfolded at most
 
 
 def _features(rows: float, context: float, sequences: float, extra: bool) -> tuple[float, ...]:
     return 1.0, rows / ROW_SCALE, sequences / ROW_SCALE, context / CONTEXT_SCALE, float(extra)
-
-
-NUM_FEATURES = 5
-FOLD_EVERY = 64  # observations kept unfolded at most
 
 
 @dataclass(slots=True)

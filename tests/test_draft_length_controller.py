@@ -503,6 +503,33 @@ def test_exploring_rounds_are_the_rounds_fixed_rounds_run_and_only_priced_rounds
     assert controller.choose(histories, [3] * 5, [10] * 5) == [0] * 5 and not controller.drafting_lately()
 
 
+def test_a_draft_models_first_round_catches_up_only_the_least_behind_share_of_the_batch():
+    """A draft model must catch up on the prompts it skipped before it drafts. A fresh controller's
+    first round, not yet known to pay, drafts for the 1 in ``first_share`` sequences of the batch
+    its draft is least behind on (and every one it is not behind on): a batch of two- to
+    eight-token answers ends within a round or two, and catching up all of it made that round
+    cost about four plain steps. Once a verification is timed, exploring rounds draft for every
+    sequence; early exit (never behind) explores with all of them from its first round."""
+    def first_round(behind, batch=8):
+        controller = DraftLengthController(4)
+        histories = [controller.new_history() for _ in range(batch)]
+        controller.observe_pass("plain", batch, 10 * batch, 0.001)
+        return controller, histories, controller.choose(histories, [3] * batch, [10] * batch,
+                                                        behind=behind)
+
+    assert first_round([40, 10, 30, 0, 50, 20, 60, 70])[2] == [0, 3, 0, 3, 0, 0, 0, 0]
+    assert first_round([0, 9, 0, 5, 0, 7, 1, 8])[2] == [3, 0, 3, 0, 3, 0, 0, 0]  # caught up: free
+    assert first_round([6, 2, 9], batch=3)[2] == [0, 3, 0]
+    assert first_round(None)[2] == [3] * 8
+    controller, histories, _ = first_round([40] * 8)
+    for h in histories[:2]:
+        controller.observe_round(h, 3, 3, 3, False)
+    controller.observe_pass("catch_up", 80, 800, 0.00001, 2)
+    controller.observe_pass("draft", 2, 100, 0.0001)
+    controller.observe_pass("verify", 16, 100, 0.001, 8)
+    assert controller.choose(histories, [3] * 8, [10] * 8, behind=[40] * 6 + [0] * 2) == [3] * 8
+
+
 def test_a_calibrated_controller_explores_in_one_step():
     """On an engine whose passes are timed already (its calibration), a batch of at least
     ``EXPLORE`` sequences explores for one step, every sequence at its limit, and the next step is
