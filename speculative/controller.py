@@ -60,8 +60,7 @@ class DraftLengthController:
     Guarantees: ``choose`` (and ``decide``) returns one length per sequence, 0 or its limit;
     with ``fixed=True`` every sequence drafts its limit (the costs and rates are still learned)."""
 
-    def __init__(self, positions: int, fixed: bool = False,
-                 clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, positions: int, fixed: bool = False, clock: Callable[[], float] = time.perf_counter,
                  settings: Settings | None = None, costs: PassCosts | None = None) -> None:
         self.positions, self.fixed, self.clock = positions, fixed, clock
         self.settings = settings or Settings()
