@@ -410,8 +410,11 @@ class Scheduler:
         new = full - seq.num_cached_blocks
         if self.config.enable_prefix_caching and new > 0:
             cost = self.rebuild_flops(seq.num_cached_blocks * bs, new * bs) / new
+            own = seq.table.blocks[:full]
             self.kv.cache_prefix(seq.table, seq.keys(full * bs), seq.namespace, cost)
             seq.num_cached_blocks = full
+            if seq.table.blocks[:full] != own:  # blocks the tree held already: a draft model
+                seq.draft_valid = None  # reads what they hold, not what its own copies held
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished sequence; its full blocks stay cached for later requests."""

@@ -353,6 +353,36 @@ class FrozenCosts(PassCosts):
         """Measured passes teach it nothing."""
 
 
+def test_a_block_the_tree_held_already_is_drafted_from_what_it_holds(model_dirs, hf_oracle, monkeypatch):
+    """Two requests for the same prompt, the second joining while the first decodes plainly: each
+    block the second fills is one the first filled and cached already, so caching it points the
+    second's table at the first's block, whose draft store never ran (the first never drafted).
+    The second, its own draft (the target), must then catch its draft up over that block rather
+    than read it as its own copy held it: every draft it proposes is accepted."""
+    eng = draft_engine(model_dirs["llama"], model_dirs["llama"])
+    controller = eng.speculator.controller
+    first = []
+
+    def decide(histories, limits, state, beside_prompts=False):  # the first request never drafts
+        first.extend(histories[:1] if not first else [])
+        for h in histories:
+            h.decisions += 1
+        return [0 if h is first[0] else limit for h, limit in zip(histories, limits())]
+
+    monkeypatch.setattr(controller, "decide", decide)
+    [prompt] = prompts(49, [10])
+    outputs = {}
+    eng.add_request(prompt, GREEDY)
+    for _ in range(6):
+        outputs.update((o.request_id, o) for o in eng.step() if o.finished)
+    eng.add_request(prompt, GREEDY)
+    while eng.has_unfinished():
+        outputs.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert [o.token_ids for o in outputs.values()] == [hf_oracle("llama", prompt, 24)] * 2
+    stats = eng.stats()
+    assert stats["spec_drafted_tokens"] > 0 and stats["spec_acceptance_rate"] == 1.0
+
+
 def freeze_costs(eng: Engine, **script: Callable[[int], float]) -> None:
     """Give the engine's controller ``FrozenCosts(**script)`` and keep its decoding steps on one
     thread count (a switch would have the controller learn its pass costs afresh)."""
