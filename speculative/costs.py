@@ -6,8 +6,8 @@ model's ``catch_up`` its own. Each fit is ``seconds = θ0 + θ1 · rows / 16 + �
 θ3 · context / 16384 + θ4 · extra`` (``extra``: 1 for a verification or a first draft pass),
 exponentially weighted ridge least squares, every coefficient but θ0 at least 0; an observation
 above the last solved fit's prediction weighs ``SLOW_WEIGHT`` and counts as at most ``SPIKE``
-times it (interference only adds time). Whole steps are then compared with what their passes' fits
-predicted (``PassCosts.step_factor``). Invariant: every prediction is the current fit's, and
+times it (interference only adds time). Whole steps are then compared with what the fits predict
+for their passes now (``PassCosts.step_factor``). Invariant: every prediction is the current fit's, and
 positive; a fit read before any pass predicts nothing. The model in full: docs/speculation.md.
 """
 
@@ -20,6 +20,7 @@ from operator import mul
 import numpy as np
 
 KINDS = ("plain", "verify", "first_draft", "draft", "catch_up")
+FITS = ("target", "draft", "catch_up")
 FIT_OF = {"plain": "target", "verify": "target", "first_draft": "draft", "draft": "draft",
           "catch_up": "catch_up"}
 EXTRA = {"verify", "first_draft"}  # kinds that pay their fit's extra fixed cost
@@ -136,47 +137,44 @@ class PassCosts:
     """The learned cost of each kind of pass: ``observe`` what a pass took, ``predict`` what one
     will take (from nothing observed, nothing), ``count`` those of a kind observed. Beside the
     fits, per size class of the batch (1, 2-3, 4-7, ...), decayed sums of what whole steps took
-    (a plain pass; a round's from its first draft through its verification) and of what their passes' fits
-    predicted: the fits lean on fast passes and are linear, so a round of many passes and rows,
-    or a plain step at some batch size, can take more than they say (``step_factor``)."""
+    (a plain pass; a round's from its first draft through its verification) and of their passes'
+    features, priced by the fits as they are now: the fits lean on fast passes and are linear, so
+    a round of many passes and rows, or a plain step at some batch size, can take more than they
+    say (``step_factor``)."""
 
     def __init__(self) -> None:
-        self.fits = {name: LinearFit() for name in set(FIT_OF.values())}
+        self.fits = {name: LinearFit() for name in FITS}
         self.counts = dict.fromkeys(KINDS, 0)
-        self.steps: dict[tuple[bool, int], tuple[float, float]] = {}  # (a round?, size class) -> predicted, taken
-        self._round = (0.0, 0.0)  # the round under way: its passes' predicted and measured seconds
+        # (a round?, size class) -> decayed sums of its steps' passes' features (a row a fit) and seconds
+        self.steps: dict[tuple[bool, int], tuple[np.ndarray, float]] = {}
+        self._round = (0.0, 0.0, 0.0)  # the step under way: its passes' features, seconds and predictions
 
     def fit(self, kind: str) -> LinearFit:
         return self.fits[FIT_OF[kind]]
 
-    def observe(self, kind: str, rows: int, context: int, seconds: float,
-                sequences: int | None = None) -> None:
+    def observe(self, kind: str, rows: int, context: int, seconds: float, sequences: int | None = None) -> None:
         """A pass of ``kind`` took ``seconds``; a plain pass, or a verification (which ends a
         round), also teaches its kind of step's factor."""
-        fit = self.fit(kind)
-        expected = fit.expected(rows, context, sequences, kind in EXTRA)
-        fit.observe(rows, context, seconds, sequences, kind in EXTRA)
+        fit, extra, sequences = self.fit(kind), kind in EXTRA, rows if sequences is None else sequences
+        expected = fit.expected(rows, context, sequences, extra)
+        fit.observe(rows, context, seconds, sequences, extra)
         self.counts[kind] += 1
-        if kind == "plain":
-            self._learn_step(False, rows, expected, seconds)
-            return
-        past = (0.0, 0.0) if kind == "first_draft" else self._round  # a round starts at its first draft
-        self._round = (past[0] + (math.inf if expected is None else expected), past[1] + seconds)
-        if kind == "verify":
-            self._learn_step(True, rows if sequences is None else sequences, *self._round)
-
-    def _learn_step(self, round_: bool, sequences: int, expected: float | None, seconds: float) -> None:
-        if expected is None or math.isinf(expected):
-            return  # a pass whose fit was not yet solved: nothing to compare with
-        past = self.steps.get(key := (round_, int(sequences).bit_length()), (0.0, 0.0))
-        self.steps[key] = (STEP_DECAY * past[0] + expected,
-                           STEP_DECAY * past[1] + min(seconds, STEP_SPIKE * expected))
+        features = np.zeros((len(FITS), NUM_FEATURES))
+        features[FITS.index(FIT_OF[kind])] = _features(rows, context, sequences, extra)
+        past = (0.0, 0.0, 0.0) if kind in ("plain", "first_draft") else self._round
+        self._round = (past[0] + features, past[1] + seconds, past[2] + (expected or math.inf))
+        if kind in ("plain", "verify") and not math.isinf(self._round[2]):  # else a fit was unsolved
+            old = self.steps.get(key := (kind == "verify", int(sequences).bit_length()), (0.0, 0.0))
+            self.steps[key] = (STEP_DECAY * old[0] + self._round[0],
+                               STEP_DECAY * old[1] + min(self._round[1], STEP_SPIKE * self._round[2]))
 
     def step_factor(self, round_: bool, sequences: int) -> float:
         """What a plain step (or a round) of a batch of ``sequences`` has taken lately over what
-        its passes' fits predicted (1 where none of its size class was timed)."""
-        expected, seconds = self.steps.get((round_, int(sequences).bit_length()), (1.0, 1.0))
-        return seconds / expected
+        the fits predict for its passes now (1 where none of its size class was timed)."""
+        features, seconds = self.steps.get((round_, int(sequences).bit_length()), (None, 1.0))
+        if features is None:
+            return 1.0
+        return seconds / max(sum(float(np.dot(self.fits[n].theta, f)) for n, f in zip(FITS, features)), 1e-9)
 
     def count(self, kind: str) -> int:
         return self.counts[kind]

@@ -284,6 +284,23 @@ def test_a_rounds_step_factor_counts_its_own_passes_only():
     assert costs.step_factor(True, 1) == pytest.approx(1.0, abs=0.2)
 
 
+def test_a_step_is_priced_at_what_such_steps_took_as_its_fit_learns_them():
+    """A batch size's first passes are predicted by a fit that has not seen it yet (a batch of 32
+    priced from passes of one sequence). The step factor compares what steps took with what the
+    fits predict for them now, so the fit's prediction times the factor is what such steps took,
+    however much of the error the fit has since learned (compared with the fits as they predicted
+    then, the factor corrected it a second time: a draft model's plain steps over 32 summaries
+    were priced at 2.7x what they took)."""
+    costs = PassCosts()
+    for _ in range(20):  # solved on passes of one sequence
+        costs.observe("plain", 1, 100, 0.001)
+        costs.fit("plain").theta
+    for _ in range(8):
+        costs.observe("plain", 32, 3200, 0.0035)
+        priced = costs.predict("plain", 32, 3200)  # each step is priced, reading the fit
+        assert priced * costs.step_factor(False, 32) == pytest.approx(0.0035, rel=0.05)
+
+
 def test_a_batch_is_priced_on_its_own_rounds_not_on_the_engines():
     """Scene descriptions beside report summaries: the scene's drafts are always accepted, the
     summaries' (which drafted last) always rejected. A new sequence, with no round of its own,
