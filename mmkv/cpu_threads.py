@@ -12,8 +12,9 @@ measures faster: the count in use is ``chosen``; every ``explore_every``-th deco
 follows one on ``chosen`` of the same shape (the engine's: the batch size, and whether a round)
 runs on the other count, and the log of its time over that previous step's is smoothed into
 ``log_ratio`` (the other count's time relative to ``chosen``'s): the mean of the samples while
-there are fewer than ``1 / smoothing``, exponentially smoothed after. When the estimate, resting on at least ``settle_after`` samples, says the other count is
-faster by more than ``margin``, it becomes ``chosen``. Steps with prompt tokens always take every
+there are fewer than ``1 / smoothing``, exponentially smoothed after. When the estimate, resting
+on at least ``settle_after`` samples, says the other count is faster by more than ``margin``, it
+becomes ``chosen``. Steps with prompt tokens always take every
 core: their GEMMs are compute-bound.
 
 Why not one sample: a sample compares two single steps, and once settled the samples come only

@@ -182,8 +182,10 @@ class DraftLengthController:
         if costs.count("verify") < explore or self.acceptance.rounds(histories) < explore:
             if costs.count("verify") and not self._pays(*state, sure=True):  # not even a sure draft pays
                 return self._priced(False, limits, beside_prompts)
-            if beside_prompts or costs.count("verify") or not behind:
-                return [0] * batch if beside_prompts else list(limits)
+            if beside_prompts:
+                return [0] * batch
+            if costs.count("verify") or not behind:
+                return list(limits)
             share = max(-(-batch // self.settings.first_share), behind.count(0))  # the least behind
             first = set(sorted(range(batch), key=behind.__getitem__)[:share])
             return [limit if i in first else 0 for i, limit in enumerate(limits)]

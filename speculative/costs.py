@@ -7,8 +7,8 @@ model's ``catch_up`` its own. Each fit is ``seconds = θ0 + θ1 · rows / 16 + �
 exponentially weighted ridge least squares, every coefficient but θ0 at least 0; an observation
 above the last solved fit's prediction weighs ``SLOW_WEIGHT`` and counts as at most ``SPIKE``
 times it (interference only adds time). Whole steps are then compared with what the fits predict
-for their passes now (``PassCosts.step_factor``). Invariant: every prediction is the current fit's, and
-positive; a fit read before any pass predicts nothing. The model in full: docs/speculation.md.
+for their passes now (``PassCosts.step_factor``). Invariant: every prediction is the current fit's,
+and positive; a fit read before any pass predicts nothing. The model in full: docs/speculation.md.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from operator import mul
 import numpy as np
 
 KINDS = ("plain", "verify", "first_draft", "draft", "catch_up")
-FITS = ("target", "draft", "catch_up")
 FIT_OF = {"plain": "target", "verify": "target", "first_draft": "draft", "draft": "draft",
           "catch_up": "catch_up"}
+FITS = tuple(dict.fromkeys(FIT_OF.values()))  # target, draft, catch_up: a step's features, a row each
 EXTRA = {"verify", "first_draft"}  # kinds that pay their fit's extra fixed cost
 ROW_SCALE, CONTEXT_SCALE = 16.0, 16384.0
 SPIKE = 2.0  # observations above SPIKE x the prediction count as SPIKE x the prediction
 SLOW_WEIGHT = 0.25  # the weight of an observation above the prediction
-STEP_DECAY = 0.7  # the past's weight in a kind of step's seconds over what its passes' fits predicted
+STEP_DECAY = 0.7  # the past's weight in a kind of step's sums of seconds and of its passes' features
 STEP_SPIKE = 4.0  # a step counts as at most this many times what its passes' fits predicted
 NUM_FEATURES = 5
 FOLD_EVERY = 64  # observations kept unfolded at most

@@ -9,9 +9,10 @@ temperature (each request seeded by its place; outputs compared by distribution:
 config's runs and its partner's, ``plain_again`` the noise floor); ``arrivals`` serves the
 workload greedily as one stream, three requests joining the running batch every two of plain
 decoding's steps, in time (``in_turns``' pace; not at batch 1). A cell of a regime other than
-greedy is named ``<method>_<workload>_<regime>_b<N>``. Cells of another regime or batch size are held out (``held_out_cells``): ``min_speedup`` and
-``controller_vs_best_fixed_min`` are over every cell, and each also comes ``_tuned`` and
-``_held_out``, so a reader sees whether a rule generalises.
+greedy is named ``<method>_<workload>_<regime>_b<N>``. Cells of another regime or batch size are
+held out (``held_out_cells``): ``min_speedup`` and ``controller_vs_best_fixed_min`` are over every
+cell, and each also comes ``_tuned`` and ``_held_out``, so a reader sees whether a rule
+generalises.
 
 Workloads: scene descriptions (``describe the scene.``, ~46 answer tokens), report summaries
 (``summarise the report.``, ~25 tokens), ``short``: short questions about scenes and reports
