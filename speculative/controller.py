@@ -177,14 +177,14 @@ class DraftLengthController:
               beside_prompts: bool = False) -> list[int]:
         costs, explore, batch = self.costs, self.settings.explore, len(limits)
         state = (histories, limits, lengths, progress, behind, beside_prompts)
-        if not any(limits) or not costs.count("plain"):  # a plain pass is timed first: pricing needs it
+        if not any(limits) or not costs.counts["plain"]:  # a plain pass is timed first: pricing needs it
             return [0] * batch
-        if costs.count("verify") < explore or self.acceptance.rounds(histories) < explore:
-            if costs.count("verify") and not self._pays(*state, sure=True):  # not even a sure draft pays
+        if costs.counts["verify"] < explore or self.acceptance.rounds(histories) < explore:
+            if costs.counts["verify"] and not self._pays(*state, sure=True):  # not even a sure draft pays
                 return self._priced(False, limits, beside_prompts)
             if beside_prompts:
                 return [0] * batch
-            if costs.count("verify") or not behind:
+            if costs.counts["verify"] or not behind:
                 return list(limits)
             share = max(-(-batch // self.settings.first_share), behind.count(0))  # the least behind
             first = set(sorted(range(batch), key=behind.__getitem__)[:share])

@@ -86,7 +86,8 @@ class LinearFit:
         sequences or context)."""
         if self._theta is None:
             gram, moment = self.folded()
-            theta = _nonnegative_slopes(gram + self.ridge * np.eye(NUM_FEATURES), moment)
+            start = [0] if self._solved is None else [i for i, t in enumerate(self._solved) if i == 0 or t > 0.0]
+            theta = _nonnegative_slopes(gram + self.ridge * np.eye(NUM_FEATURES), moment, start)
             self._theta = tuple(theta.tolist())
             if gram[0, 0] > 0.0:  # solved from passes: later ones are weighed against it
                 self._solved = theta
@@ -107,13 +108,15 @@ def _seconds(theta, rows: float, context: float, sequences: float | None, extra:
                1e-7)
 
 
-def _nonnegative_slopes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _nonnegative_slopes(a: np.ndarray, b: np.ndarray, free: list[int]) -> np.ndarray:
     """``t`` minimising ``t' a t - 2 t' b`` with ``t[1:] >= 0``, for a positive definite ``a``, by
-    Lawson and Hanson's active set: every iterate is feasible, and the loop ends at this convex
-    problem's optimality conditions (or, in a numerical tie, after its bound)."""
-    n = len(b)
-    theta, free = np.zeros(n), [0]
-    theta[0] = b[0] / a[0, 0]
+    Lawson and Hanson's active set, from the last solve's ``free`` coefficients where their solution
+    is feasible (mostly it is the optimum), else from the intercept alone: every iterate is feasible,
+    and the loop ends at the optimality conditions (or, in a numerical tie, after its bound)."""
+    n, theta = len(b), np.zeros(len(b))
+    theta[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
+    if min(theta[free[1:]], default=1.0) <= 0.0:
+        theta, free = np.where(np.arange(n) == 0, b[0] / a[0, 0], 0.0), [0]
     for _ in range(3 * n):
         gradient = a @ theta - b
         growing = [i for i in range(1, n) if i not in free and gradient[i] < -1e-15]
@@ -135,7 +138,7 @@ def _nonnegative_slopes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class PassCosts:
     """The learned cost of each kind of pass: ``observe`` what a pass took, ``predict`` what one
-    will take (from nothing observed, nothing), ``count`` those of a kind observed. Beside the
+    will take (from nothing observed, nothing), ``counts`` those of each kind observed. Beside the
     fits, per size class of the batch (1, 2-3, 4-7, ...), decayed sums of what whole steps took
     (a plain pass; a round's from its first draft through its verification) and of their passes'
     features, priced by the fits as they are now: the fits lean on fast passes and are linear, so
@@ -175,9 +178,6 @@ class PassCosts:
         if features is None:
             return 1.0
         return seconds / max(sum(float(np.dot(self.fits[n].theta, f)) for n, f in zip(FITS, features)), 1e-9)
-
-    def count(self, kind: str) -> int:
-        return self.counts[kind]
 
     def predict(self, kind: str, rows: float, context: float, sequences: float | None = None) -> float:
         return self.fit(kind).predict(rows, context, sequences, kind in EXTRA)

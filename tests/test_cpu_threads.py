@@ -132,4 +132,4 @@ def test_speculative_rounds_move_to_the_faster_count_and_the_pass_costs_are_lear
     stats = eng.stats()
     assert stats["decode_threads"] == cores - 1
     assert threads_in_rounds[0] == cores and threads_in_rounds[-1] == cores - 1
-    assert eng.speculator.controller.costs.count("verify") < threads_in_rounds.count(cores - 1)
+    assert eng.speculator.controller.costs.counts["verify"] < threads_in_rounds.count(cores - 1)

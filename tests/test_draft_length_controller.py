@@ -128,7 +128,7 @@ def test_a_plain_pass_is_timed_first():
     spec = ScriptedPair(lambda seq, pos: True, draft_ms, verify_ms)
     chosen = decode(spec, sequences(1), EXPLORE + 2, plain_ms)
     assert chosen == [[0]] + [[LIMIT]] * (EXPLORE + 1), chosen
-    assert spec.controller.costs.count("plain") == 1 and spec.controller.planned == 1
+    assert spec.controller.costs.counts["plain"] == 1 and spec.controller.planned == 1
     theta = spec.controller.costs.fit("plain").theta  # plain at 5.5 ms + 0.05 a row, verify at 5.0
     assert spec.controller.costs.predict("plain", 1, 3) == pytest.approx(plain_ms(1), rel=0.05), theta
 
@@ -184,7 +184,7 @@ def test_with_its_pass_costs_known_it_explores_only_where_a_sure_draft_would_pay
         spec.controller.follow_script([0, 1, 0, 3])
         assert decode(spec, sequences(batch), 4, plain) == [[0] * batch, [1] * batch, [0] * batch, [3] * batch]
     spec.keep_costs_only()
-    assert spec.controller.costs.count("verify") == 4 and spec.summary()["spec_rounds"] == 0
+    assert spec.controller.costs.counts["verify"] == 4 and spec.summary()["spec_rounds"] == 0
     chosen = decode(spec, sequences(32), 12, plain)
     assert not any(any(g) for g in chosen) and spec.summary()["spec_rounds"] == 0, chosen
     assert spec.controller.planned == 4  # priced at steps 1, 3, 6 and 11: held for doubling spans
@@ -885,12 +885,12 @@ def test_a_pass_in_which_a_kernel_was_built_is_not_timed(monkeypatch):
     start = spec.started()
     spec.clock.now += 0.005
     spec.observe("plain", 4, 40, start)
-    assert spec.controller.costs.count("plain") == 1
+    assert spec.controller.costs.counts["plain"] == 1
     start = spec.started()
     monkeypatch.setattr(packed_linear, "_BUILT", packed_linear._BUILT | {(-1, 0, 0)})  # a build
     spec.clock.now += 0.015
     spec.observe("plain", 4, 40, start)
-    assert spec.controller.costs.count("plain") == 1
+    assert spec.controller.costs.counts["plain"] == 1
 
 
 def test_a_verification_is_timed_through_the_work_on_its_verdicts():

@@ -269,8 +269,8 @@ def test_calibration_leaves_nothing_behind_but_the_pass_costs(model_dirs, tmp_pa
 
     calibrated, fresh = engine(1), engine(0)
     kinds = ("plain", "verify", "first_draft", "draft") + (("catch_up",) if method == "draft_model" else ())
-    assert all(calibrated.speculator.controller.costs.count(kind) for kind in kinds)
-    assert not any(fresh.speculator.controller.costs.count(kind) for kind in kinds)
+    assert all(calibrated.speculator.controller.costs.counts[kind] for kind in kinds)
+    assert not any(fresh.speculator.controller.costs.counts[kind] for kind in kinds)
     assert traces(calibrated) == traces(fresh)
     assert calibrated.speculator.summary() == fresh.speculator.summary()  # nothing counted
     if calibrated.runner.decode_threads is not None:  # the requests' batches choose the thread count
