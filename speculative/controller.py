@@ -32,7 +32,7 @@ from speculative.costs import CONTEXT_SCALE, ROW_SCALE, PassCosts
 from speculative.lengths import OutputLengths
 
 EXPLORE = 2  # verification passes timed and sequence-rounds observed before pricing
-ROUND_MARGIN = 1.05  # a round must promise this x plain decoding's goodput
+ROUND_MARGIN = 1.15  # a round must promise this x plain decoding's goodput
 HOLD_MAX = 64  # the most steps a priced plain decision is held
 ROUND_HOLD_MAX = 16  # the most steps a priced round is held
 HISTORIES_KEPT = 4096  # sequences whose mean draft length the stats summarise
