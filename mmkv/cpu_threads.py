@@ -14,8 +14,8 @@ runs on the other count, and the log of its time over that previous step's is sm
 ``log_ratio`` (the other count's time relative to ``chosen``'s): the mean of the samples while
 there are fewer than ``1 / smoothing``, exponentially smoothed after. When the estimate, resting
 on at least ``settle_after`` samples, says the other count is faster by more than ``margin``, it
-becomes ``chosen``. Steps with prompt tokens always take every
-core: their GEMMs are compute-bound.
+becomes ``chosen``. Steps with prompt tokens always take every core: their GEMMs are
+compute-bound.
 
 Why not one sample: a sample compares two single steps, and once settled the samples come only
 every ``settle_every`` steps, so a switch made on one noisy sample would hold for most of a run.

@@ -495,9 +495,9 @@ def test_exploring_rounds_are_the_rounds_fixed_rounds_run_and_only_priced_rounds
     """An exploring step is a round as fixed rounds run it: every sequence nothing must catch up
     drafts its limit (a fresh engine's first round is the one fixed rounds run where speculation
     pays; early exit exploring with a quarter of the batch lost up to 3 % on scenes and the
-    mixed workload at batches 8 to 32). ``drafting_lately`` (a draft model follows prompts at prefill) turns on with a priced
-    round, not with exploring ones (a fresh batch of short answers would pay for every prompt's
-    draft), and off with a priced plain decision."""
+    mixed workload at batches 8 to 32). ``drafting_lately`` (a draft model follows prompts at
+    prefill) turns on with a priced round, not with exploring ones (a fresh batch of short answers
+    would pay for every prompt's draft), and off with a priced plain decision."""
     controller, fixed = DraftLengthController(4), DraftLengthController(4, fixed=True)
     histories = [controller.new_history() for _ in range(5)]
     assert not controller.drafting_lately()  # nothing ran yet: the draft waits for a round
