@@ -196,10 +196,10 @@ class ModelRunner:
                 penalties.adjust_rows(logits, constrained, [chosen[row] for row in constrained])
                 structured.apply_masks(logits, constrained, [chosen[row].constraint for row in constrained],
                                        [chosen[row].params.logit_bias for row in constrained])
-        greedy = _greedy_tokens(chosen, logits)
+        single = _single_tokens(chosen, logits)
         for row, seq in enumerate(chosen):
             try:
-                drawn = (Sampled(seq, [greedy[row]], None) if row in greedy
+                drawn = (Sampled(seq, [single[row]], None) if row in single
                          else self._draw(seq, logits[row]))
             except Exception as err:
                 result.failed.setdefault(seq.request_id, err)
@@ -314,13 +314,16 @@ def _score_prompts(seqs: list[Sequence], scored: list[tuple[int, int]], logits: 
                                                   list(zip(ids[row][:k], values[row][:k])), ranks[row])
 
 
-def _greedy_tokens(seqs: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
-    """The next token of every row whose sequence decodes greedily, one token, without
-    logprobs, from one ``sample`` call over those rows."""
-    rows = [row for row, s in enumerate(seqs)
-            if s.params.greedy and s.params.n == 1 and s.params.logprobs is None]
+def _single_tokens(seqs: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
+    """The next token of every row whose sequence draws one token without logprobs, from one
+    ``sample`` call over those rows; none where a row has nothing to sample (each row is then
+    drawn alone, and fails alone)."""
+    rows = [row for row, s in enumerate(seqs) if s.params.n == 1 and s.params.logprobs is None]
     if not rows:
         return {}
     chosen = [seqs[row] for row in rows]
-    return dict(zip(rows, sample(logits[rows], [s.params for s in chosen],
-                                 [s.generator for s in chosen])))
+    try:
+        return dict(zip(rows, sample(logits[rows] if len(rows) < len(seqs) else logits,
+                                     [s.params for s in chosen], [s.generator for s in chosen])))
+    except ValueError:
+        return {}

@@ -42,10 +42,10 @@ def top_tokens(logits: torch.Tensor, with_probs: bool = False) -> tuple[list[int
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution one sampling step draws from (float32 ``[vocab]``)."""
+    """The distribution one sampling step draws from (float32 ``[..., vocab]``: each row alone)."""
     logits = logits.float() / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
+        kth = torch.topk(logits, params.top_k).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1:
@@ -53,24 +53,55 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)  # keep the nucleus
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum()
+        probs = probs / probs.sum(-1, keepdim=True)
     if params.min_p:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-        probs = probs / probs.sum()
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def row_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's ``filtered_probs`` by its ``params`` (float32 ``[rows, vocab]`` on the CPU), in
+    one ``filtered_probs`` call per distinct filter among the rows rather than one per row."""
+    groups: dict[tuple, list[int]] = {}
+    for row, p in enumerate(params):
+        groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(row)
+    if len(groups) == 1:
+        return filtered_probs(logits, params[0]).cpu()
+    probs = torch.empty(logits.shape, dtype=torch.float32)
+    for rows in groups.values():
+        index = torch.tensor(rows)
+        probs[index] = filtered_probs(logits[index.to(logits.device)], params[rows[0]]).cpu()
+    return probs
+
+
+def draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
+    """One token from each row of ``weights`` ``[rows, vocab]`` (a distribution, or weights
+    proportional to one; on the CPU) by inverse transform: one float64 uniform from the row's
+    generator, placed among the row's cumulative weights, so a token of weight 0 is never drawn
+    (torch's ``multinomial`` draws a random number for every token of the vocabulary).
+    ``ValueError`` names a row whose weights do not sum to a positive, finite number."""
+    cumulative = weights.double().cumsum(-1)
+    totals = cumulative[:, -1]
+    bad = (~(torch.isfinite(totals) & (totals > 0))).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"row {bad[0]} has no token of positive, finite probability to sample")
+    uniforms = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
+    tokens = torch.searchsorted(cumulative, (uniforms * totals).unsqueeze(1), right=True)
+    return tokens.squeeze(1).clamp_max(weights.shape[-1] - 1).tolist()
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``[rows, vocab]``."""
-    greedy = top_tokens(logits)[0]
-    out = []
-    for row, (p, g, best) in enumerate(zip(params, generators, greedy)):
-        if p.greedy:
-            out.append(best)
-        else:
-            probs = filtered_probs(logits[row], p).cpu()
-            out.append(int(torch.multinomial(probs, 1, generator=g)))
+    """One token per row of ``logits`` ``[rows, vocab]``: the greedy rows' argmax, the sampled
+    rows drawn together (``row_probs``, ``draw``), each with its own generator."""
+    out = top_tokens(logits)[0]
+    sampled = [row for row, p in enumerate(params) if not p.greedy]
+    if sampled:
+        probs = row_probs(logits if len(sampled) == len(params) else logits[sampled],
+                          [params[row] for row in sampled])
+        for row, token in zip(sampled, draw(probs, [generators[row] for row in sampled])):
+            out[row] = token
     return out
 
 

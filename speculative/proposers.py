@@ -54,7 +54,7 @@ from mmkv.attention.metadata import next_position
 from mmkv.host_arrays import longs
 from mmkv.models.packed_linear import kernel_builds
 from mmkv.penalties import adjust_draft_rows
-from mmkv.sampler import filtered_probs, top_tokens
+from mmkv.sampler import draw, row_probs, top_tokens
 from mmkv.structured import apply_draft_masks
 from mmkv.step_context import StepContext
 from speculative.acceptance import DraftHistory, regime
@@ -262,16 +262,19 @@ class Speculator(ABC):
             if seq.params.constrained:
                 apply_draft_masks(logits, first, seq.constraint, seq.params.logit_bias, d)
         best = top_tokens(logits)[0]  # the greedy sequences' verdicts read one argmax
-        verdicts, row = [], 0
+        sampled = [(b, r) for b, seq in enumerate(seqs) if not seq.params.greedy
+                   for r in range(starts[b], starts[b] + gammas[b] + 1)]  # filtered together
+        probs = (row_probs(logits[[r for _, r in sampled]], [seqs[b].params for b, _ in sampled])
+                 if sampled else None)
+        verdicts, row, first = [], 0, 0  # ``first``: a sampled sequence's first row of ``probs``
         for seq, g, d, q in zip(seqs, gammas, drafts, draft_probs):
-            rows = logits[row:row + g + 1]
             row += g + 1
             if seq.params.greedy:
                 verdicts.append(greedy_verdict(d, best[row - g - 1:row]))
             else:
-                p = torch.stack([filtered_probs(r, seq.params) for r in rows]).cpu()
-                qs = torch.stack(q).cpu() if q else p[:0]
-                verdicts.append(verify_sampling(d, qs, p, seq.generator))
+                p = probs[first:first + g + 1]
+                first += g + 1
+                verdicts.append(verify_sampling(d, torch.stack(q).cpu() if q else p[:0], p, seq.generator))
         self._verification = (row, sum((g + 1) * n + g * (g + 1) // 2 for n, g in zip(lens, gammas)),
                               (start[0] - scheduled, start[1]), len(seqs))
         for seq, n, c, d, v, u in zip(seqs, lens, chosen, drafts, verdicts, unsure):
@@ -461,17 +464,20 @@ def _draft(seqs: list[Sequence], logits: torch.Tensor,
            need_confidence: bool) -> list[tuple[int, torch.Tensor | None, float | None]]:
     """Each row's drafted token, the distribution it was drawn from (verification needs it for
     sampled sequences only) and, if ``need_confidence``, that distribution's top probability.
-    The greedy rows are drafted together: one ``top_tokens`` call over them gives both the tokens
-    and their probabilities."""
+    The greedy rows are drafted together (one ``top_tokens`` call gives both the tokens and their
+    probabilities), and so are the sampled ones (``row_probs``, ``draw``)."""
     out: list[tuple[int, torch.Tensor | None, float | None]] = [(0, None, None)] * len(seqs)
     greedy = [row for row, s in enumerate(seqs) if s.params.greedy]
+    sampled = [row for row, s in enumerate(seqs) if not s.params.greedy]
     if greedy:
         tokens, tops = top_tokens(logits if len(greedy) == len(seqs) else logits[greedy], need_confidence)
         for row, token, top in zip(greedy, tokens, tops or [None] * len(greedy)):
             out[row] = (token, None, top)
-    for row, seq in enumerate(seqs):
-        if not seq.params.greedy:
-            probs = filtered_probs(logits[row], seq.params)
-            token = int(torch.multinomial(probs.cpu(), 1, generator=seq.generator))
-            out[row] = (token, probs, probs.max().item() if need_confidence else None)
+    if sampled:
+        probs = row_probs(logits if len(sampled) == len(seqs) else logits[sampled],
+                          [seqs[row].params for row in sampled])
+        tokens = draw(probs, [seqs[row].generator for row in sampled])
+        tops = probs.amax(-1).tolist() if need_confidence else [None] * len(sampled)
+        for i, (row, token, top) in enumerate(zip(sampled, tokens, tops)):
+            out[row] = (token, probs[i], top)
     return out

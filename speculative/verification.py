@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from mmkv.sampler import draw
+
 
 class Verdict(NamedTuple):
     """``tokens`` are the new tokens (accepted drafts, then one from the target); ``accepted``
@@ -43,13 +45,17 @@ def greedy_verdict(drafts: list[int], best: list[int]) -> Verdict:
 def verify_sampling(drafts: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
                     generator: torch.Generator | None) -> Verdict:
     """``draft_probs`` ``[k, vocab]`` the distributions the drafts were drawn from;
-    ``target_probs`` ``[k + 1, vocab]`` the target's. All on the CPU, float32."""
-    for i, x in enumerate(drafts):
-        p, q = target_probs[i, x].item(), draft_probs[i, x].item()
-        if torch.rand((), generator=generator).item() * q > p:  # reject with prob. 1 - min(1, p/q)
+    ``target_probs`` ``[k + 1, vocab]`` the target's. All on the CPU, float32. The ``k`` uniforms
+    of the acceptance tests are drawn at once (those after a rejection go unused: independent
+    draws, so the verdict's distribution is the same)."""
+    k = len(drafts)
+    if k:
+        rows, tokens = torch.arange(k), torch.tensor(drafts)
+        uniforms = torch.rand(k, generator=generator)
+        rejected = (uniforms * draft_probs[rows, tokens] > target_probs[rows, tokens]).tolist()
+        if True in rejected:  # rejected with probability 1 - min(1, p/q): draw from max(0, p - q)
+            i = rejected.index(True)
             residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
-            total = residual.sum()
-            dist = residual / total if total > 0 else target_probs[i]
-            return Verdict(drafts[:i] + [int(torch.multinomial(dist, 1, generator=generator))], i)
-    bonus = int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
-    return Verdict(list(drafts) + [bonus], len(drafts))
+            weights = residual if residual.sum() > 0 else target_probs[i]
+            return Verdict(drafts[:i] + draw(weights[None], [generator]), i)
+    return Verdict(list(drafts) + draw(target_probs[k:k + 1], [generator]), k)

@@ -70,6 +70,30 @@ def test_step_api_reports_the_failed_request_and_runs_the_others(model_dirs, hf_
     assert_idle_and_clean(eng)
 
 
+def test_a_row_with_nothing_to_sample_fails_its_request_alone(model_dirs):
+    """The sampled rows of a step are drawn together; a row whose logits are not a distribution
+    (NaN here, as an overflowing model gives) fails its own request, and the other requests of
+    the step, sampled and greedy, draw what they draw without it."""
+    eng = engine(model_dirs)
+    good = prompts(43, [9, 14])
+    bad = prompts(44, [7])[0] + [POISON]
+    sampled = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, seed=5)
+    want = [o.token_ids for o in eng.generate([good[0], good[1]], [sampled, GREEDY])]
+    forward = eng.model.forward
+
+    def patched(input_ids, step, rows):
+        logits = forward(input_ids, step, rows)
+        with torch.inference_mode():
+            logits[input_ids[rows[:len(logits)]] == POISON] = float("nan")
+        return logits
+
+    eng.model.forward = patched
+    outs = eng.generate([good[0], bad, good[1]], [sampled, sampled, GREEDY], errors="return")
+    assert "no token of positive, finite probability" in outs[1].error
+    assert [outs[0].token_ids, outs[2].token_ids] == want
+    assert_idle_and_clean(eng)
+
+
 def test_an_interrupt_inside_generate_aborts_its_requests(model_dirs, hf_oracle):
     eng = engine(model_dirs)
     batch = prompts(43, [11, 25]) + [[POISON, 1, 2]]
