@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import torch
 
@@ -82,13 +83,14 @@ def draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> lis
     (torch's ``multinomial`` draws a random number for every token of the vocabulary).
     ``ValueError`` names a row whose weights do not sum to a positive, finite number."""
     cumulative = weights.double().cumsum(-1)
-    totals = cumulative[:, -1]
-    bad = (~(torch.isfinite(totals) & (totals > 0))).nonzero().flatten().tolist()
-    if bad:
-        raise ValueError(f"row {bad[0]} has no token of positive, finite probability to sample")
-    uniforms = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
-    tokens = torch.searchsorted(cumulative, (uniforms * totals).unsqueeze(1), right=True)
-    return tokens.squeeze(1).clamp_max(weights.shape[-1] - 1).tolist()
+    totals = cumulative[:, -1].tolist()
+    for row, total in enumerate(totals):
+        if not 0.0 < total < math.inf:
+            raise ValueError(f"row {row} has no token of positive, finite probability to sample")
+    targets = [total * float(torch.rand((), dtype=torch.float64, generator=g))
+               for total, g in zip(totals, generators)]
+    tokens = torch.searchsorted(cumulative, torch.tensor(targets, dtype=torch.float64)[:, None], right=True)
+    return [min(token, weights.shape[-1] - 1) for token in tokens.flatten().tolist()]
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
