@@ -629,7 +629,9 @@ def test_weights_bench_runs_every_variant_in_its_own_process():
 
 def test_weights_bench_times_every_way_a_quantized_layer_runs():
     result = bench("weights", "--kernels", "--hidden", "128", "--layers", "1")
-    for way in ("bf16_packed", "int8_native", "int8_dense", "int4_native", "int4_dense", "int8_torch_int8pack"):
+    ways = [f"{method}_{path}_{arithmetic}" for method in ("int8", "int4") for path in ("native", "dense")
+            for arithmetic in ("bfloat16", "float32")]
+    for way in ("bf16_packed", "int8_torch_int8pack", *ways):
         assert result[f"kernel_{way}_704x128_r1"] > 0 and result[f"kernel_{way}_128x352_r512"] > 0
 
 

@@ -129,6 +129,56 @@ def test_bfloat16_rows_meet_the_weight_in_bfloat16(method, group, rows):
     assert torch.equal(layer.dequantized(torch.bfloat16), layer.weight.dequantize().bfloat16())
 
 
+@pytest.mark.parametrize("method, group", [("int8", 32), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("path, rows", [("native", 1), ("native", 6), ("dense", NATIVE_ROWS + 3)])
+def test_bfloat16_rows_run_either_way_with_the_weight_each_way_holds(method, group, path, rows):
+    """bfloat16 rows on either path, either way: the bfloat16 way multiplies the weight rounded
+    to bfloat16 (the int8 kernel's codes are exact, its scale multiplies the sum), the float32 way
+    the weight itself; each sums in float32 and rounds the result to bfloat16. The ways differ by
+    the weight's rounding (about 2^-9 of a product), far more than either's error here."""
+    torch.manual_seed(rows)
+    w, bias, x = torch.randn(37, 192), torch.randn(37).bfloat16(), torch.randn(rows, 192).bfloat16()
+    layer = QuantizedLinear(quantize(w, Quantization(method, group)), bias)  # a bfloat16 model's bias
+    run = getattr(layer, path)
+    exact = layer.weight.dequantize()
+    rounded = exact if (method, path) == ("int8", "native") else exact.bfloat16()
+    for way, weight in (("float32", exact), ("bfloat16", rounded)):
+        if way == "bfloat16" and path == "native" and (
+                layer.kernels is None or layer.run_kernel(layer.kernels[1], x) is None):
+            continue  # no AVX512-BF16 kernel on this CPU: the native path runs float32 only
+        expected = F.linear(x.double(), weight.double(), bias.double())
+        got = run(x, way)
+        assert got.dtype == torch.bfloat16
+        # the result's own rounding to bfloat16 is 2^-9 of it; the sums' float32 error is far less
+        torch.testing.assert_close(got.double(), expected.bfloat16().double(), rtol=2 ** -8, atol=1e-6)
+        other = F.linear(x.double(), (rounded if way == "float32" else exact).double(), bias.double())
+        if not torch.equal(rounded, exact):  # the ways are told apart by the weight they hold
+            assert (got.double() - expected).abs().sum() < (got.double() - other).abs().sum(), way
+
+
+@pytest.mark.parametrize("way", ["bfloat16", "float32"])
+def test_a_layer_runs_bfloat16_rows_the_way_timed_faster_here(monkeypatch, way):
+    """Each path's way is timed once per process and followed by every call after; here the
+    choice is set, then read back from what the layer computes."""
+    from mmkv.quantization import linear
+
+    monkeypatch.setattr(linear, "_FASTER_WAY", {})
+    assert linear.bfloat16_way("dense", linear.FLOAT32_DENSE_ROWS) in linear.BFLOAT16_WAYS  # timed: any
+    timed = []
+    monkeypatch.setattr(linear, "time_bfloat16_ways", lambda path: timed.append(path) or way)
+    monkeypatch.setattr(linear, "_FASTER_WAY", {})
+    torch.manual_seed(0)
+    layer = QuantizedLinear(quantize(torch.randn(37, 192), Quantization("int4")), None)
+    for rows in (3, NATIVE_ROWS + 3, linear.FLOAT32_DENSE_ROWS):
+        x = torch.randn(rows, 192).bfloat16()
+        path = layer.native if layer.kernels and rows <= NATIVE_ROWS else layer.dense
+        # a short dense call stays bfloat16 whatever was timed
+        expected_way = "bfloat16" if path == layer.dense and rows < linear.FLOAT32_DENSE_ROWS else way
+        for _ in range(2):
+            assert torch.equal(layer(x), path(x, expected_way)), (rows, way)
+    assert sorted(timed) == (["dense", "native"] if layer.kernels else ["dense"])
+
+
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")],
                          ids=["avx2", "plain-c"])
 def test_kernels_built_for_cpus_without_avx512_compute_the_same(tmp_path, monkeypatch, flags):

@@ -1,5 +1,6 @@
 """Layer-level times of quantized weights: for each GEMM shape of a Llama layer and several row
-counts, the ways a quantized layer can run, beside the unquantized bfloat16 layer. What
+counts, the ways a quantized layer can run bfloat16 rows (native or dense, each in bfloat16 or
+float32 arithmetic: ``mmkv.quantization.linear``), beside the unquantized bfloat16 layer. What
 ``mmkv.quantization.linear.NATIVE_ROWS`` was chosen from (``python -m mmkv.bench weights
 --kernels``).
 
@@ -17,6 +18,7 @@ import torch
 
 from mmkv.models.packed_linear import PackedLinear
 from mmkv.quantization import Quantization, QuantizedLinear, quantize
+from mmkv.quantization.linear import BFLOAT16_WAYS
 
 ROWS = (1, 4, 16, 32, 64, 512)
 LAYERS = 8  # distinct weights per shape: more bytes than a CPU's last-level cache holds
@@ -57,9 +59,12 @@ def kernel_times(config: dict) -> dict[str, float]:
             out[f"kernel_bf16_packed_{tag}"] = per_layer_ms(ways["bf16_packed"], lambda layer: layer(x))
             for method in ("int8", "int4"):
                 layers = ways[method]
-                if layers[0].kernels is not None:
-                    out[f"kernel_{method}_native_{tag}"] = per_layer_ms(layers, lambda layer: layer.native(x))
-                out[f"kernel_{method}_dense_{tag}"] = per_layer_ms(layers, lambda layer: layer.dense(x))
+                for way in BFLOAT16_WAYS:  # kernel_int4_native_bfloat16_..., ..._dense_float32_...
+                    if layers[0].kernels is not None:
+                        out[f"kernel_{method}_native_{way}_{tag}"] = per_layer_ms(
+                            layers, lambda layer: layer.native(x, way))
+                    out[f"kernel_{method}_dense_{way}_{tag}"] = per_layer_ms(
+                        layers, lambda layer: layer.dense(x, way))
             out[f"kernel_int8_torch_int8pack_{tag}"] = per_layer_ms(
                 ways["int8"], lambda layer: torch._weight_int8pack_mm(
                     x, layer.weight.codes, layer.weight.scale.bfloat16()))

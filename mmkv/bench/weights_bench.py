@@ -33,9 +33,10 @@ make near ties, and every quantization breaks some differently).
 
 ``--kernels`` measures layers instead (``mmkv.bench.quantized_kernels``, what
 ``mmkv.quantization.linear.NATIVE_ROWS`` was chosen from): for the model's four GEMM shapes and
-several row counts, the native kernel against the weight dequantized for the float GEMM, torch's
-``_weight_int8pack_mm`` and the unquantized bfloat16 layer (``kernel_<method>_<way>_<out>x<in>_r<rows>``
-milliseconds per layer call, weights streamed from memory).
+several row counts, the native kernel against the weight dequantized for the float GEMM (each in
+bfloat16 and in float32 arithmetic), torch's ``_weight_int8pack_mm`` and the unquantized bfloat16
+layer (``kernel_<method>_<path>_<arithmetic>_<out>x<in>_r<rows>`` milliseconds per layer call,
+weights streamed from memory).
 """
 
 from __future__ import annotations

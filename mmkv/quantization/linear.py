@@ -14,10 +14,21 @@ Two ways to run one, chosen per call by the number of rows:
   faults; an engine drops its step thread's buffers when it goes idle
   (``release_dequantize_buffers``).
 
+bfloat16 rows on the CPU run either of two ways, whichever is faster on this CPU
+(``bfloat16_way``, timed once per process and path on a synthetic layer):
+
+- **bfloat16**: the weight in bfloat16 (each value rounded to it) meets the rows in the CPU's
+  bfloat16 dot-product instruction (native) or oneDNN's bfloat16 GEMM (dense); products summed in
+  float32.
+- **float32**: the rows widened to float32 (exactly) meet the weight in float32 (not rounded) by
+  float32 FMAs (native) or the float32 GEMM (dense); the result rounded to bfloat16. Where the
+  dot-product instruction runs at half the FMAs' rate (Intel Xeon without AMX) this is the
+  faster; where it runs at the same rate or better (AMD EPYC), the bfloat16 way is.
+
 ``NATIVE_ROWS`` is where the native kernel stopped being faster on the measured machine (between
 16 and 32 rows on TinyLlama's layer shapes: ``python -m mmkv.bench weights --kernels --json``;
-docs/quantization.md). Guarantees: either way
-the result is ``F.linear(x, w, bias)`` up to float rounding; the layer holds the quantized weight
+docs/quantization.md). Guarantees: every way's result is ``F.linear(x, w, bias)`` up to float
+rounding (the float32 way's weights are the more exact); the layer holds the quantized weight
 only (and a float32 copy of a bias).
 """
 
@@ -25,15 +36,17 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
 
 from mmkv import native
-from mmkv.quantization.formats import (Int4Weight, Int8GroupWeight, Int8Weight, QuantizedWeight,
-                                       select_rows)
+from mmkv.quantization.formats import (Int4Weight, Int8GroupWeight, Int8Weight, Quantization,
+                                       QuantizedWeight, quantize, select_rows)
 
 NATIVE_ROWS = 16  # row counts up to this run natively on the CPU; more run dense
+FLOAT32_DENSE_ROWS = 128  # from this many rows the dense way may run float32 (bfloat16_way)
 
 _P = ctypes.c_void_p
 _INT8_ARGS = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, _P, ctypes.c_int64]
@@ -104,6 +117,46 @@ def native_kernels(weight: QuantizedWeight) -> tuple | None:
     return None if kernels[0] is None else kernels
 
 
+BFLOAT16_WAYS = ("bfloat16", "float32")  # how bfloat16 rows can run (the module docstring)
+_FASTER_WAY: dict[str, str] = {}  # path ("native" or "dense") -> this CPU's faster way, once timed
+
+
+def bfloat16_way(path: str, rows: int) -> str:
+    """The way ``rows`` bfloat16 rows run on ``path`` ("native" or "dense") on this CPU: the
+    faster of ``BFLOAT16_WAYS`` on a synthetic layer, timed at the first need
+    (``time_bfloat16_ways``). Dense calls of fewer than ``FLOAT32_DENSE_ROWS`` rows stay
+    bfloat16: dequantizing to float32 writes twice the bytes, which a short GEMM does not win
+    back."""
+    if path == "dense" and rows < FLOAT32_DENSE_ROWS:
+        return "bfloat16"
+    if path not in _FASTER_WAY:
+        _FASTER_WAY[path] = time_bfloat16_ways(path)
+    return _FASTER_WAY[path]
+
+
+@torch.inference_mode()
+def time_bfloat16_ways(path: str, calls: int = 5) -> str:
+    """Which of ``BFLOAT16_WAYS`` runs ``path`` faster here: an int4 layer of 1024 x 2048 on 4
+    rows (native) or ``2 * FLOAT32_DENSE_ROWS`` (dense), each way's fastest of ``calls`` calls,
+    the ways taking turns. Tens of milliseconds, once."""
+    generator = torch.Generator().manual_seed(0)
+    weight = quantize(torch.randn(1024, 2048, generator=generator) * 0.02, Quantization("int4"))
+    layer = QuantizedLinear(weight, None)
+    if path == "native" and layer.kernels is None:
+        return "float32"  # no native kernel runs here: the choice is moot
+    x = torch.randn(4 if path == "native" else 2 * FLOAT32_DENSE_ROWS, 2048, generator=generator).bfloat16()
+    run = getattr(layer, path)
+    best = dict.fromkeys(BFLOAT16_WAYS, float("inf"))
+    for _ in range(calls + 1):  # the first call of each way warms it, and is counted like the rest
+        for way in BFLOAT16_WAYS:
+            start = time.perf_counter()
+            run(x, way)
+            best[way] = min(best[way], time.perf_counter() - start)
+    if path == "native" and not layer.bfloat16_kernel:
+        return "float32"  # the bfloat16 kernel declined (no AVX512-BF16): it ran float32 too
+    return min(BFLOAT16_WAYS, key=best.__getitem__)
+
+
 class QuantizedLinear:
     """``y = x @ weight.dequantize().T + bias`` for rows ``x`` ``[n, in]`` (the module docstring)."""
 
@@ -142,14 +195,20 @@ class QuantizedLinear:
                out.data_ptr())
         return out
 
-    def dense(self, x: torch.Tensor) -> torch.Tensor:
-        """The rows through the weight dequantized for this call, in the rows' dtype."""
+    def dense(self, x: torch.Tensor, way: str | None = None) -> torch.Tensor:
+        """The rows through the weight dequantized for this call: in the rows' dtype, or for
+        bfloat16 rows on the CPU in float32 where that ``way`` is the faster for as many rows
+        (``bfloat16_way``; ``way`` names one)."""
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and (way or bfloat16_way("dense", x.shape[0])) == "float32":
+            return F.linear(x.float(), self.dequantized(torch.float32), self.bias32).to(x.dtype)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
-    def native(self, x: torch.Tensor) -> torch.Tensor:
+    def native(self, x: torch.Tensor, way: str | None = None) -> torch.Tensor:
         """The rows through the native kernel: bfloat16 rows by bfloat16 weights where the CPU
-        has the instruction (``quantized_linear.c``), else float32 arithmetic."""
-        if x.dtype == torch.bfloat16 and self.bfloat16_kernel:
+        has the instruction (``quantized_linear.c``) and it is the faster way here
+        (``bfloat16_way``; ``way`` names one), else float32 arithmetic."""
+        if (x.dtype == torch.bfloat16 and self.bfloat16_kernel
+                and (way or bfloat16_way("native", x.shape[0])) == "bfloat16"):
             y = self.run_kernel(self.kernels[1], x.contiguous())
             if y is not None:
                 return y.to(x.dtype)
@@ -279,6 +338,6 @@ class QuantizedEmbedding(torch.nn.Module):
         return rows.dequantize(self.dtype).view(*ids.shape, self.embedding_dim)
 
 
-__all__ = ["Int4Weight", "Int8GroupWeight", "Int8Weight", "NATIVE_ROWS", "QuantizedEmbedding",
+__all__ = ["BFLOAT16_WAYS", "FLOAT32_DENSE_ROWS", "bfloat16_way", "Int4Weight", "Int8GroupWeight", "Int8Weight", "NATIVE_ROWS", "QuantizedEmbedding",
            "QuantizedLinear", "QuantizedLinearModule",
            "native_kernels"]
