@@ -25,9 +25,9 @@ bfloat16 rows on the CPU run either of two ways, whichever is faster on this CPU
   dot-product instruction runs at half the FMAs' rate (Intel Xeon without AMX) this is the
   faster; where it runs at the same rate or better (AMD EPYC), the bfloat16 way is.
 
-``NATIVE_ROWS`` is where the native kernel stopped being faster on the measured machine (between
-16 and 32 rows on TinyLlama's layer shapes: ``python -m mmkv.bench weights --kernels --json``;
-docs/quantization.md). Guarantees: every way's result is ``F.linear(x, w, bias)`` up to float
+``NATIVE_ROWS`` is where the native kernel stops being faster than the dense way on the measured
+machines (between 32 and 64 rows on TinyLlama's layer shapes, on an AMD EPYC and an Intel Xeon:
+``python -m mmkv.bench weights --kernels --json``; docs/quantization.md). Guarantees: every way's result is ``F.linear(x, w, bias)`` up to float
 rounding (the float32 way's weights are the more exact); the layer holds the quantized weight
 only (and a float32 copy of a bias).
 """
@@ -45,7 +45,7 @@ from mmkv import native
 from mmkv.quantization.formats import (Int4Weight, Int8GroupWeight, Int8Weight, Quantization,
                                        QuantizedWeight, quantize, select_rows)
 
-NATIVE_ROWS = 16  # row counts up to this run natively on the CPU; more run dense
+NATIVE_ROWS = 32  # row counts up to this run natively on the CPU; more run dense
 FLOAT32_DENSE_ROWS = 128  # from this many rows the dense way may run float32 (bfloat16_way)
 
 _P = ctypes.c_void_p
