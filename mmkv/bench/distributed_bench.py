@@ -8,8 +8,8 @@ its report as its ``shared_prefix``, unless ``--no-shared-prefix``: then the rou
 report itself), shuffled: a table of questions, not grouped by image. The defaults make 1,040
 rows on 2 replicas.
 
-Ray is started, and one uncounted pass of each side run on other images and reports, before
-anything is timed. Then the two sides take turns for ``--repeats`` rounds (the first side of a
+Ray is started, and one uncounted pass of each side run on other images and reports
+(``--no-warm-up`` skips it), before anything is timed. Then the two sides take turns for ``--repeats`` rounds (the first side of a
 round alternates). Each pass builds fresh replicas (``mmkv.distributed.Replicas``) and waits until
 every engine is up (``startup_seconds``) before its clock starts: ``seconds`` is the answering
 alone, from the first row read to the last answer, with keying included on the affinity side;
@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", type=float, default=os.cpu_count(), help="the local cluster's CPUs")
     p.add_argument("--repeats", type=int, default=2, help="counted rounds of both sides")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                   help="an uncounted pass of each side on other rows first")
     p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
                    help="report rows name their report as their shared_prefix")
 
@@ -160,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     keying = keying_seconds(rows, DEFAULT_PREFIX_TOKENS)
     equal = True
     try:
-        for side, affinity in SIDES.items():
+        for side, affinity in SIDES.items() if args.warm_up else ():
             one_pass(warm_up, affinity, params, args)
         for round_ in range(args.repeats):
             for side in (list(SIDES) if round_ % 2 == 0 else list(SIDES)[::-1]):
