@@ -9,18 +9,18 @@ report itself), shuffled: a table of questions, not grouped by image. The defaul
 rows on 2 replicas.
 
 Ray is started, and one uncounted pass of each side run on other images and reports
-(``--no-warm-up`` skips it), before anything is timed. Then the two sides take turns for ``--repeats`` rounds (the first side of a
-round alternates). Each pass builds fresh replicas (``mmkv.distributed.Replicas``) and waits until
-every engine is up (``startup_seconds``) before its clock starts: ``seconds`` is the answering
-alone, from the first row read to the last answer, with keying included on the affinity side;
-``keying_seconds`` is what keying every row costs in one process. A side's figures are the
-medians of its passes; ``speedup_affinity_vs_round_robin`` is the median over rounds of each
-round's ratio (round robin's seconds over affinity's). Reported with them: ``rows``,
-``distinct_images``; ``encoder_calls``, ``cached_prompt_tokens`` and ``kv_bytes_peak`` summed over
-the replicas for both sides and for the single engine; ``documents_on_several_replicas`` and
-``images_on_several_replicas`` (how many reports and images had rows answered on more than one
-replica: each of them was prefilled or encoded more than once); ``outputs_equal`` (every answer of every
-pass equals the single engine's).
+(``--no-warm-up`` skips it), before anything is timed. Then the two sides take turns for
+``--repeats`` rounds (the first side of a round alternates). Each pass builds fresh replicas
+(``mmkv.distributed.Replicas``) and waits until every engine is up (``startup_seconds``) before its
+clock starts: ``seconds`` is the answering alone, from the first row read to the last answer, with
+keying included on the affinity side; ``keying_seconds`` is what keying every row costs in one
+process. A side's figures are the medians of its passes; ``speedup_affinity_vs_round_robin`` is the
+median over rounds of each round's ratio (round robin's seconds over affinity's). Reported with
+them: ``rows``, ``distinct_images``; ``encoder_calls``, ``cached_prompt_tokens`` and
+``kv_bytes_peak`` summed over the replicas for both sides and for the single engine;
+``documents_on_several_replicas`` and ``images_on_several_replicas`` (how many reports and images
+had rows answered on more than one replica: each of them was prefilled or encoded more than once);
+``outputs_equal`` (every answer of every pass equals the single engine's).
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ bfloat16 rows on the CPU run either of two ways, whichever is faster on this CPU
 
 ``NATIVE_ROWS`` is where the native kernel stops being faster than the dense way on the measured
 machines (between 32 and 64 rows on TinyLlama's layer shapes, on an AMD EPYC and an Intel Xeon:
-``python -m mmkv.bench weights --kernels --json``; docs/quantization.md). Guarantees: every way's result is ``F.linear(x, w, bias)`` up to float
-rounding (the float32 way's weights are the more exact); the layer holds the quantized weight
-only (and a float32 copy of a bias).
+``python -m mmkv.bench weights --kernels --json``; docs/quantization.md). Guarantees: every way's
+result is ``F.linear(x, w, bias)`` up to float rounding (the float32 way's weights are the more
+exact); the layer holds the quantized weight only (and a float32 copy of a bias).
 """
 
 from __future__ import annotations
@@ -142,9 +142,10 @@ def time_bfloat16_ways(path: str, calls: int = 5) -> str:
     generator = torch.Generator().manual_seed(0)
     weight = quantize(torch.randn(1024, 2048, generator=generator) * 0.02, Quantization("int4"))
     layer = QuantizedLinear(weight, None)
-    if path == "native" and layer.kernels is None:
-        return "float32"  # no native kernel runs here: the choice is moot
-    x = torch.randn(4 if path == "native" else 2 * FLOAT32_DENSE_ROWS, 2048, generator=generator).bfloat16()
+    rows = 4 if path == "native" else 2 * FLOAT32_DENSE_ROWS
+    x = torch.randn(rows, 2048, generator=generator).bfloat16()
+    if path == "native" and (layer.kernels is None or layer.run_kernel(layer.kernels[1], x) is None):
+        return "float32"  # no bfloat16 kernel here (no library, or no AVX512-BF16): nothing to time
     run = getattr(layer, path)
     best = dict.fromkeys(BFLOAT16_WAYS, float("inf"))
     for _ in range(calls + 1):  # the first call of each way warms it, and is counted like the rest
@@ -152,8 +153,6 @@ def time_bfloat16_ways(path: str, calls: int = 5) -> str:
             start = time.perf_counter()
             run(x, way)
             best[way] = min(best[way], time.perf_counter() - start)
-    if path == "native" and not layer.bfloat16_kernel:
-        return "float32"  # the bfloat16 kernel declined (no AVX512-BF16): it ran float32 too
     return min(BFLOAT16_WAYS, key=best.__getitem__)
 
 
@@ -199,7 +198,8 @@ class QuantizedLinear:
         """The rows through the weight dequantized for this call: in the rows' dtype, or for
         bfloat16 rows on the CPU in float32 where that ``way`` is the faster for as many rows
         (``bfloat16_way``; ``way`` names one)."""
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and (way or bfloat16_way("dense", x.shape[0])) == "float32":
+        if (x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and (way or bfloat16_way("dense", x.shape[0])) == "float32"):
             return F.linear(x.float(), self.dequantized(torch.float32), self.bias32).to(x.dtype)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
@@ -338,6 +338,6 @@ class QuantizedEmbedding(torch.nn.Module):
         return rows.dequantize(self.dtype).view(*ids.shape, self.embedding_dim)
 
 
-__all__ = ["BFLOAT16_WAYS", "FLOAT32_DENSE_ROWS", "bfloat16_way", "Int4Weight", "Int8GroupWeight", "Int8Weight", "NATIVE_ROWS", "QuantizedEmbedding",
-           "QuantizedLinear", "QuantizedLinearModule",
-           "native_kernels"]
+__all__ = ["BFLOAT16_WAYS", "FLOAT32_DENSE_ROWS", "Int4Weight", "Int8GroupWeight", "Int8Weight",
+           "NATIVE_ROWS", "QuantizedEmbedding", "QuantizedLinear", "QuantizedLinearModule",
+           "bfloat16_way", "native_kernels"]
