@@ -30,6 +30,25 @@ def check_block_accounting(monkeypatch: pytest.MonkeyPatch):
         obj.check_integrity()
 
 
+@pytest.fixture(scope="module")
+def ray_cluster(request: pytest.FixtureRequest):
+    """A local Ray cluster for the module (2 CPUs, no dashboard, a 256 MiB object store), shut down
+    after it. Its modules are marked ``xdist_group("ray")``, which under ``--dist loadgroup`` (the
+    suite's default) sends them all to one worker, one cluster at a time: xdist names each such
+    test with its group (``...@ray``), and a test without that name (a pytest whose node ids xdist
+    cannot rename) means both workers would start clusters at once."""
+    import ray
+
+    if getattr(request.config.option, "loadgroup", False):  # an xdist worker scheduling by group
+        ungrouped = [item.nodeid for item in request.session.items
+                     if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+        assert not ungrouped, (f"pytest-xdist did not name {ungrouped[0]} with its xdist_group under "
+                               f"pytest {pytest.__version__}: the Ray modules would run in both workers")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, "Path"]:
     """One tiny random checkpoint per supported family (built once per test session)."""

@@ -21,18 +21,15 @@ from mmkv.bench.distributed_bench import ENGINE_OPTIONS, local_prompts, qa_rows
 from mmkv.bundled import BUNDLED_MODEL
 from mmkv.distributed import Replicas, answer
 
-# One local Ray cluster at a time: the suite runs these modules in the same worker.
+# One local Ray cluster at a time: the suite runs these modules in the same worker (ray_cluster).
 pytestmark = pytest.mark.xdist_group("ray")
 
 PARAMS = SamplingParams(max_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2, log_to_driver=False)
+def cluster(ray_cluster):
     ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

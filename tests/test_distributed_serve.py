@@ -23,7 +23,7 @@ from mmkv.synthetic import scene_prompt
 from server_harness import (MODEL_NAME, REPORT_QUESTIONS, bundled_engine, free_socket, report_chat,
                             report_prompt, scene_chat, scenes_and_reports)
 
-# One local Ray cluster at a time: the suite runs these modules in the same worker.
+# One local Ray cluster at a time: the suite runs these modules in the same worker (ray_cluster).
 pytestmark = pytest.mark.xdist_group("ray")
 
 QUESTIONS = ("how many shapes are there?", "describe the scene.", "what is at the centre?",
@@ -34,7 +34,7 @@ MAX_NUM_SEQS = 4  # a replica decodes at most 4 at a time, so a burst queues on 
 
 
 @pytest.fixture(scope="module")
-def url():
+def url(ray_cluster):
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -46,11 +46,9 @@ def url():
     sock = free_socket()
     port = sock.getsockname()[1]
     sock.close()
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(serve_app.build(args), name="mmkv", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
-    ray.shutdown()
 
 
 def metrics(url: str) -> dict[str, float]:
