@@ -16,8 +16,8 @@ T = TypeVar("T")
 def gc_paused() -> Iterator[None]:
     """After a full garbage collection, with the collector paused, as ``timeit`` measures: a
     collection of everything the process has built so far is not charged to whichever run or
-    step it falls in (``python -m mmkv.bench`` freezes what its imports built, so the collection
-    here scans only what the runs built)."""
+    step it falls in (``python -m mmkv.bench`` freezes what existed before the benchmark ran, so
+    the collection here scans only what the runs built)."""
     gc.collect()
     gc.disable()
     try:
