@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cache.block_pool import BlockPool
 from cache.radix_tree import RadixTree
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# The suite's xdist workers share the machine's cores: each runs torch on its share of them. An
+# OpenMP team spanning every core while another worker's team wants them too waits at each barrier
+# for a thread the OS scheduled out (a test took five times as long beside the other worker).
+CORES = torch.get_num_threads()
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+@pytest.fixture
+def every_core():
+    """torch on every core of the machine for the test (an xdist worker runs on its share),
+    its share back after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(CORES)
+    yield CORES
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ from mmkv import Engine, SamplingParams
 from mmkv.cpu_threads import DecodeThreads
 from mmkv.runner import ModelRunner
 from speculative import SpeculativeConfig
+from conftest import CORES
 from test_engine_oracle import BLOCK_BYTES, prompts
 
 
@@ -65,12 +66,12 @@ def test_a_switch_rests_on_more_than_one_sample():
     assert chooser.chosen == 1 and chooser.switches == 1
 
 
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one core: nothing to choose")
-def test_engine_decodes_on_the_faster_count_with_exact_output(model_dirs, hf_oracle, monkeypatch):
+@pytest.mark.skipif(CORES < 2, reason="one core: nothing to choose")
+def test_engine_decodes_on_the_faster_count_with_exact_output(model_dirs, hf_oracle, monkeypatch, every_core):
     """A clock under which steps on fewer threads take half the time: the engine moves its
     decoding steps there, the greedy output stays transformers', and torch has every core back
     once the engine is idle."""
-    cores = torch.get_num_threads()
+    cores = every_core
     now = [0.0]
 
     def clock() -> float:
@@ -99,14 +100,14 @@ def test_engine_decodes_on_the_faster_count_with_exact_output(model_dirs, hf_ora
     assert torch.get_num_threads() == cores
 
 
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one core: nothing to choose")
+@pytest.mark.skipif(CORES < 2, reason="one core: nothing to choose")
 def test_speculative_rounds_move_to_the_faster_count_and_the_pass_costs_are_learned_afresh(
-        model_dirs, hf_oracle):
+        model_dirs, hf_oracle, every_core):
     """Rounds with fixed draft lengths under a clock where fewer threads take half the time:
     rounds are decoding steps too, so they move to fewer threads, the greedy output stays
     transformers', and the controller forgets the pass costs it timed on every core (its fits
     restart from the switch on)."""
-    cores = torch.get_num_threads()
+    cores = every_core
     now = [0.0]
 
     def clock() -> float:
