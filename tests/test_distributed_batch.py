@@ -146,13 +146,48 @@ def test_bad_arguments_raise_before_anything_runs(cluster):
     ds = ray.data.from_items([{"prompt": "x"}])
     with pytest.raises(ValueError, match="replicas must be open Replicas"):
         answer(ds, 2)
-    with fresh_replicas(num_cpus=1.0) as replicas:  # every CPU of the cluster
+    # every CPU of the cluster, the replicas not yet placed (the cluster still shows its CPUs free)
+    with Replicas(n=2, engine_options=ENGINE_OPTIONS, num_cpus=1.0) as replicas:
         for options, message in (({"params": {"max_tokens": 4}}, "params must be a SamplingParams"),
                                  ({"affinity_prefix_tokens": 0}, "affinity_prefix_tokens must be"),
                                  ({"batch_size": 0}, "batch_size must be an integer >= 1"),
-                                 ({}, "Ray Data needs a free CPU")):
+                                 ({}, "the replicas reserve 2 of the cluster's 2 CPUs")):
             with pytest.raises(ValueError, match=message):
                 answer(ds, replicas, **options)
+    # a CPU held by other work leaves none free beside one replica on half of one
+    holder = CPUHolder.remote()
+    try:
+        ray.get(holder.ready.remote())
+        with Replicas(n=1, engine_options=ENGINE_OPTIONS, num_cpus=0.5) as replicas:
+            raised = within(60, lambda: answer(ds, replicas))  # unchecked, Ray Data would wait forever
+            assert isinstance(raised, ValueError) and "none left beside the replicas" in str(raised)
+    finally:
+        ray.kill(holder)
+
+
+def within(seconds: float, call):
+    """What ``call()`` raised (None if nothing), failing the test if it has not returned in time."""
+    raised = []
+
+    def run():
+        try:
+            call()
+        except Exception as err:  # handed to the caller
+            raised.append(err)
+        else:
+            raised.append(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert raised, f"did not return within {seconds} s"
+    return raised[0]
+
+
+@ray.remote(num_cpus=1)
+class CPUHolder:
+    def ready(self) -> bool:
+        return True
 
 
 def test_the_benchmark_reports_every_figure_at_a_tiny_size(cluster, capsys):

@@ -9,18 +9,20 @@ session of jobs pays their start once, and they report their ``Engine.stats()`` 
 
 ``answer(ds, replicas)`` sends the dataset's blocks to the replicas in turn, as they are read,
 and returns the dataset of their answers once every block is answered (Ray Data runs small tasks
-of its own for this, so the cluster must keep a CPU free of the replicas). The replicas route
-among themselves, with no shuffle and no barrier: the replica given a block keys each row
-(``rows.py`` and ``affinity.py``: the image's canonical-pixel key; else the row's
-``shared_prefix``, whole; else the route of its first ``affinity_prefix_tokens`` token ids), asks
-the one ``placement.Placement`` of the replicas (a small actor of no CPU) where each row goes,
-answers the rows placed on it and sends every other row to its replica. One key goes to one
-replica (rendezvous hashing), and a prompt to the replica holding the longest of its prefixes
-when that covers at least half of it: so an image is encoded once and its cross-attention K/V
-computed once in the whole cluster, and a document prefilled once (named as the rows'
-``shared_prefix``, or a report at least as long as each row's question after it), in whatever
-order and block its rows come. With ``affinity=False`` a block's rows go out in batches of
-``batch_size`` to the replicas in turn, as Ray's own LLM processor sends batches to its engines.
+of its own for this, so the cluster must keep a CPU free of the replicas: ``answer`` checks this
+against what the replicas reserve, placed or not, then waits for them to be built and checks
+what the cluster has free). The replicas route among themselves, with no shuffle and no
+barrier: the replica given a block keys each row (``rows.py`` and ``affinity.py``: the image's
+canonical-pixel key; else the row's ``shared_prefix``, whole; else the route of its first
+``affinity_prefix_tokens`` token ids), asks the one ``placement.Placement`` of the replicas (a
+small actor of no CPU) where each row goes, answers the rows placed on it and sends every other
+row to its replica. One key goes to one replica (rendezvous hashing), and a prompt to the replica
+holding the longest of its prefixes when that covers at least half of it: so an image is encoded
+once and its cross-attention K/V computed once in the whole cluster, and a document prefilled once
+(named as the rows' ``shared_prefix``, or a report at least as long as each row's question after
+it), in whatever order and block its rows come. With ``affinity=False`` a block's rows go out in
+batches of ``batch_size`` to the replicas in turn, as Ray's own LLM processor sends batches to its
+engines.
 
 Guarantees: every input row comes out exactly once, in input order, with the input's columns plus
 ``answer``, ``finish_reason``, ``prompt_tokens``, ``cached_tokens``, ``replica`` and ``error`` (set
@@ -71,6 +73,7 @@ class Replicas:
         _check_counts(n=n)
         if not num_cpus >= 0:
             raise ValueError(f"num_cpus must be >= 0, got {num_cpus!r}")
+        self.num_cpus = num_cpus
         self.stats = StatsBoard()
         # names, so that a restarted replica finds its peers again
         self.names = [f"replica-{uuid.uuid4().hex[:8]}-{i}" for i in range(n)]
@@ -117,9 +120,16 @@ def answer(ds: Dataset, replicas: Replicas, params: SamplingParams | None = None
     if not isinstance(replicas, Replicas) or not replicas.actors:
         raise ValueError(f"replicas must be open Replicas, got {replicas!r}")
     _check_counts(affinity_prefix_tokens=affinity_prefix_tokens, batch_size=batch_size)
-    if ray.available_resources().get("CPU", 0.0) < 1.0:  # Ray Data's own tasks would wait forever
-        raise ValueError("Ray Data needs a free CPU for its tasks, and the cluster has none left: "
-                         "give the replicas fewer num_cpus")
+    # Ray Data's own tasks would wait forever for a CPU. Replicas not yet placed do not show in
+    # the cluster's free CPUs, so what they reserve is counted first, then what is free once built.
+    total, reserved = ray.cluster_resources().get("CPU", 0.0), len(replicas.actors) * replicas.num_cpus
+    if total - reserved < 1.0:
+        raise ValueError(f"Ray Data needs a free CPU for its tasks: the replicas reserve {reserved:g} of "
+                         f"the cluster's {total:g} CPUs; give them fewer num_cpus")
+    replicas.ready()
+    if ray.available_resources().get("CPU", 0.0) < 1.0:
+        raise ValueError("Ray Data needs a free CPU for its tasks, and the cluster has none left beside "
+                         "the replicas: give them fewer num_cpus")
     actors = replicas.actors
     answered = [actors[k % len(actors)].route.remote(block, params, affinity, affinity_prefix_tokens,
                                                      batch_size, k)
