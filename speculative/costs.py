@@ -17,8 +17,6 @@ import math
 from dataclasses import dataclass, field
 from operator import mul
 
-import numpy as np
-
 KINDS = ("plain", "verify", "first_draft", "draft", "catch_up")
 FIT_OF = {"plain": "target", "verify": "target", "first_draft": "draft", "draft": "draft",
           "catch_up": "catch_up"}
@@ -30,110 +28,108 @@ SLOW_WEIGHT = 0.25  # the weight of an observation above the prediction
 STEP_DECAY = 0.7  # the past's weight in a kind of step's sums of seconds and of its passes' features
 STEP_SPIKE = 4.0  # a step counts as at most this many times what its passes' fits predicted
 NUM_FEATURES = 5
-FOLD_EVERY = 64  # observations kept unfolded at most
+NO_FEATURES = (0.0,) * (NUM_FEATURES * len(FITS))  # a step's features: each fit's passes', summed
 
 
 def _features(rows: float, context: float, sequences: float, extra: bool) -> tuple[float, ...]:
     return 1.0, rows / ROW_SCALE, sequences / ROW_SCALE, context / CONTEXT_SCALE, float(extra)
 
 
+def _dot(a, b) -> float:
+    return sum(map(mul, a, b))
+
+
 @dataclass(slots=True)
 class LinearFit:
     """Exponentially weighted ridge regression of seconds on ``(1, rows, sequences, context,
-    extra)``, every coefficient but the intercept at least 0 (``theta``). Observations are folded
-    in when the fit is next read (a fold per plan, not per pass), each weighed against the last
-    solved fit as when it came: nothing is solved between two reads."""
+    extra)``, every coefficient but the intercept at least 0 (``theta``). Each observation is
+    folded in as it comes, weighed against the last solved fit; the fit is solved when next read.
+    Plain Python throughout: on five features numpy's per-call cost outweighs the arithmetic."""
 
     decay: float = 0.97
     ridge: float = 1e-3
-    _gram: np.ndarray = field(default_factory=lambda: np.zeros((NUM_FEATURES, NUM_FEATURES)))
-    _moment: np.ndarray = field(default_factory=lambda: np.zeros(NUM_FEATURES))
-    _pending: list[tuple[tuple[float, ...], float]] = field(default_factory=list)  # not folded yet
+    gram: list[list[float]] = field(default_factory=lambda: [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)])
+    moment: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
     _theta: tuple[float, ...] | None = None  # None: observed since last solved
-    _solved: np.ndarray | None = None  # the last fit solved from passes
+    _solved: tuple[float, ...] | None = None  # the last fit solved from passes
 
     def observe(self, rows: float, context: float, seconds: float,
-                sequences: float | None = None, extra: bool = False) -> None:
+                sequences: float | None = None, extra: bool = False) -> float | None:
         """A pass over ``rows`` query tokens of ``sequences`` sequences (default: one row each)
-        attending ``context`` tokens took ``seconds``; ``extra``: it pays the extra fixed cost."""
-        self._pending.append((_features(rows, context, rows if sequences is None else sequences, extra),
-                              seconds))
+        attending ``context`` tokens took ``seconds``; ``extra``: it pays the extra fixed cost.
+        Returns what the last solved fit predicted for it (None: none solved yet)."""
+        x = _features(rows, context, rows if sequences is None else sequences, extra)
+        expected, weight = None, 1.0
+        if self._solved is not None:
+            expected = max(_dot(self._solved, x), 1e-7)
+            if seconds > expected:
+                seconds, weight = min(seconds, SPIKE * expected), SLOW_WEIGHT
+        decay, weighted = self.decay, [weight * f for f in x]
+        self.gram = [[decay * g + w * f for g, f in zip(row, x)] for row, w in zip(self.gram, weighted)]
+        self.moment = [decay * m + w * seconds for m, w in zip(self.moment, weighted)]
         self._theta = None
-        if len(self._pending) >= FOLD_EVERY:
-            self.folded()
-
-    def folded(self) -> tuple[np.ndarray, np.ndarray]:
-        """The weighted Gram matrix of every pass's features, and their weighted sum times
-        seconds; each observation folded in decays the past by ``decay``."""
-        if self._pending:
-            x = np.array([f for f, _ in self._pending])
-            seconds = np.array([s for _, s in self._pending])
-            weight = self.decay ** np.arange(len(x) - 1, -1, -1.0)  # decayed by those after it
-            if self._solved is not None:
-                expected = np.maximum(x @ self._solved, 1e-7)
-                slow = seconds > expected
-                seconds = np.where(slow, np.minimum(seconds, SPIKE * expected), seconds)
-                weight = np.where(slow, weight * SLOW_WEIGHT, weight)
-            past, weighted = self.decay ** len(x), x.T * weight
-            self._gram = past * self._gram + weighted @ x
-            self._moment = past * self._moment + weighted @ seconds
-            self._pending = []
-        return self._gram, self._moment
+        return expected
 
     @property
     def theta(self) -> tuple[float, ...]:
         """The ridge fit whose slopes are at least 0 (a pass never costs less for more rows,
         sequences or context)."""
         if self._theta is None:
-            gram, moment = self.folded()
             start = [0] if self._solved is None else [i for i, t in enumerate(self._solved) if i == 0 or t > 0.0]
-            theta = _nonnegative_slopes(gram + self.ridge * np.eye(NUM_FEATURES), moment, start)
-            self._theta = tuple(theta.tolist())
-            if gram[0, 0] > 0.0:  # solved from passes: later ones are weighed against it
-                self._solved = theta
+            ridged = [[g + self.ridge * (i == j) for j, g in enumerate(row)] for i, row in enumerate(self.gram)]
+            self._theta = _nonnegative_slopes(ridged, self.moment, start)
+            if self.gram[0][0] > 0.0:  # solved from passes: later ones are weighed against it
+                self._solved = self._theta
         return self._theta
 
     def predict(self, rows: float, context: float, sequences: float | None = None,
                 extra: bool = False) -> float:
-        return _seconds(self.theta, rows, context, sequences, extra)
-
-    def expected(self, rows: float, context: float, sequences: float | None = None,
-                 extra: bool = False) -> float | None:
-        """What the last solved fit predicts, solving nothing (None: none solved yet)."""
-        return None if self._solved is None else _seconds(self._solved.tolist(), rows, context, sequences, extra)
+        return max(_dot(self.theta, _features(rows, context, rows if sequences is None else sequences, extra)),
+                   1e-7)
 
 
-def _seconds(theta, rows: float, context: float, sequences: float | None, extra: bool) -> float:
-    return max(sum(map(mul, theta, _features(rows, context, rows if sequences is None else sequences, extra))),
-               1e-7)
+def _solve(a: list[list[float]], b: list[float], free: list[int]) -> list[float]:
+    """``t`` with ``a[free, free] t[free] = b[free]`` and 0 elsewhere, by Gaussian elimination
+    (``a`` is positive definite, so every pivot is positive)."""
+    m = [[a[i][j] for j in free] + [b[i]] for i in free]
+    n = len(free)
+    for k, pivot in enumerate(m):
+        for row in m[k + 1:]:
+            f = row[k] / pivot[k]
+            row[k:] = [r - f * p for r, p in zip(row[k:], pivot[k:])]
+    x = [0.0] * n
+    for k in range(n - 1, -1, -1):
+        x[k] = (m[k][n] - _dot(m[k][k + 1:n], x[k + 1:])) / m[k][k]
+    t = [0.0] * len(b)
+    for i, value in zip(free, x):
+        t[i] = value
+    return t
 
 
-def _nonnegative_slopes(a: np.ndarray, b: np.ndarray, free: list[int]) -> np.ndarray:
+def _nonnegative_slopes(a: list[list[float]], b: list[float], free: list[int]) -> tuple[float, ...]:
     """``t`` minimising ``t' a t - 2 t' b`` with ``t[1:] >= 0``, for a positive definite ``a``, by
     Lawson and Hanson's active set, from the last solve's ``free`` coefficients where their solution
     is feasible (mostly it is the optimum), else from the intercept alone: every iterate is feasible,
     and the loop ends at the optimality conditions (or, in a numerical tie, after its bound)."""
-    n, theta = len(b), np.zeros(len(b))
-    theta[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
-    if min(theta[free[1:]], default=1.0) <= 0.0:
-        theta, free = np.where(np.arange(n) == 0, b[0] / a[0, 0], 0.0), [0]
+    n, theta = len(b), _solve(a, b, free)
+    if min((theta[i] for i in free[1:]), default=1.0) <= 0.0:
+        theta, free = _solve(a, b, [0]), [0]
     for _ in range(3 * n):
-        gradient = a @ theta - b
+        gradient = [_dot(row, theta) - target for row, target in zip(a, b)]
         growing = [i for i in range(1, n) if i not in free and gradient[i] < -1e-15]
         if not growing:
             break
-        free = sorted([*free, min(growing, key=lambda i: gradient[i])])
+        free = sorted([*free, min(growing, key=gradient.__getitem__)])
         while True:
-            solution = np.zeros(n)
-            solution[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
+            solution = _solve(a, b, free)
             negative = [i for i in free[1:] if solution[i] <= 0.0]
             if not negative:
                 theta = solution
                 break
             step = min(theta[i] / max(theta[i] - solution[i], 1e-300) for i in negative)
-            theta = theta + step * (solution - theta)
+            theta = [t + step * (s - t) for t, s in zip(theta, solution)]
             free = [i for i in free if i == 0 or theta[i] > 0.0]
-    return theta
+    return tuple(theta)
 
 
 class PassCosts:
@@ -148,9 +144,9 @@ class PassCosts:
     def __init__(self) -> None:
         self.fits = {name: LinearFit() for name in FITS}
         self.counts = dict.fromkeys(KINDS, 0)
-        # (a round?, size class) -> decayed sums of its steps' passes' features (a row a fit) and seconds
-        self.steps: dict[tuple[bool, int], tuple[np.ndarray, float]] = {}
-        self._round = (0.0, 0.0, 0.0)  # the step under way: its passes' features, seconds and predictions
+        # (a round?, size class) -> decayed sums of its steps' passes' features (fit after fit) and seconds
+        self.steps: dict[tuple[bool, int], tuple[list[float], float]] = {}
+        self._round = (NO_FEATURES, 0.0, 0.0)  # the step under way: its passes' features, seconds, predictions
 
     def fit(self, kind: str) -> LinearFit:
         return self.fits[FIT_OF[kind]]
@@ -159,16 +155,17 @@ class PassCosts:
         """A pass of ``kind`` took ``seconds``; a plain pass, or a verification (which ends a
         round), also teaches its kind of step's factor."""
         fit, extra, sequences = self.fit(kind), kind in EXTRA, rows if sequences is None else sequences
-        expected = fit.expected(rows, context, sequences, extra)
-        fit.observe(rows, context, seconds, sequences, extra)
+        expected = fit.observe(rows, context, seconds, sequences, extra)
         self.counts[kind] += 1
-        features = np.zeros((len(FITS), NUM_FEATURES))
-        features[FITS.index(FIT_OF[kind])] = _features(rows, context, sequences, extra)
-        past = (0.0, 0.0, 0.0) if kind in ("plain", "first_draft") else self._round
-        self._round = (past[0] + features, past[1] + seconds, past[2] + (expected or math.inf))
+        features, past_seconds, predicted = (NO_FEATURES, 0.0, 0.0) if kind in ("plain", "first_draft") else self._round
+        at = FITS.index(FIT_OF[kind]) * NUM_FEATURES
+        features = [*features[:at], *map(sum, zip(features[at:at + NUM_FEATURES],
+                                                    _features(rows, context, sequences, extra))),
+                    *features[at + NUM_FEATURES:]]
+        self._round = (features, past_seconds + seconds, predicted + (expected or math.inf))
         if kind in ("plain", "verify") and not math.isinf(self._round[2]):  # else a fit was unsolved
-            old = self.steps.get(key := (kind == "verify", int(sequences).bit_length()), (0.0, 0.0))
-            self.steps[key] = (STEP_DECAY * old[0] + self._round[0],
+            old = self.steps.get(key := (kind == "verify", int(sequences).bit_length()), (NO_FEATURES, 0.0))
+            self.steps[key] = ([STEP_DECAY * o + f for o, f in zip(old[0], features)],
                                STEP_DECAY * old[1] + min(self._round[1], STEP_SPIKE * self._round[2]))
 
     def step_factor(self, round_: bool, sequences: int) -> float:
@@ -177,7 +174,8 @@ class PassCosts:
         features, seconds = self.steps.get((round_, int(sequences).bit_length()), (None, 1.0))
         if features is None:
             return 1.0
-        return seconds / max(sum(float(np.dot(self.fits[n].theta, f)) for n, f in zip(FITS, features)), 1e-9)
+        return seconds / max(sum(_dot(self.fits[name].theta, features[NUM_FEATURES * i:])
+                                 for i, name in enumerate(FITS)), 1e-9)
 
     def predict(self, kind: str, rows: float, context: float, sequences: float | None = None) -> float:
         return self.fit(kind).predict(rows, context, sequences, kind in EXTRA)

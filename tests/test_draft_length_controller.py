@@ -773,11 +773,11 @@ def test_a_fit_read_before_any_pass_does_not_clip_the_passes_that_follow():
 @given(st.lists(st.tuples(st.integers(1, 800), st.integers(1, 64), st.integers(0, 40_000), st.booleans(),
                           st.floats(1e-4, 5e-2), st.integers(0, 40)), min_size=1, max_size=300))
 @example([(r, 1 + r % 3, 100 * r, r % 2 == 0, 0.001 * (1 + r % 5), int(r != 30)) for r in range(1, 200)])
-def test_observations_folded_together_equal_one_at_a_time(steps):
-    """The fit keeps its observations and folds them in when it is read (a step whose last field
-    is 0 reads it first, which solves the fit) or when ``FOLD_EVERY`` are kept. Against folding
-    each as it comes, weighed against the fit solved at the last read (slower than its prediction:
-    ``SLOW_WEIGHT``, at most ``SPIKE`` times it)."""
+def test_each_observation_is_weighed_against_the_fit_solved_at_the_last_read(steps):
+    """The fit is solved only when read (a step whose last field is 0 reads it first). Against
+    folding each observation into decayed sums in numpy-free reference arithmetic, weighed against
+    the fit solved at the last read (slower than its prediction: ``SLOW_WEIGHT``, at most
+    ``SPIKE`` times it), so passes between two reads never move the fit they are weighed by."""
     fit = LinearFit()
     gram = [[0.0] * cost_model.NUM_FEATURES for _ in range(cost_model.NUM_FEATURES)]
     moment = [0.0] * cost_model.NUM_FEATURES
@@ -795,7 +795,7 @@ def test_observations_folded_together_equal_one_at_a_time(steps):
                 seconds, w = min(seconds, cost_model.SPIKE * expected), cost_model.SLOW_WEIGHT
         moment = [fit.decay * m + w * f * seconds for m, f in zip(moment, x)]
         gram = [[fit.decay * g + w * a * b for g, b in zip(row, x)] for row, a in zip(gram, x)]
-    folded_gram, folded_moment = fit.folded()
+    folded_gram, folded_moment = fit.gram, fit.moment
     assert folded_moment == pytest.approx(moment, rel=1e-9, abs=1e-15)
     for got, want in zip(folded_gram, gram):
         assert got == pytest.approx(want, rel=1e-9, abs=1e-15)
@@ -817,7 +817,7 @@ def test_linear_fit_is_the_least_squares_fit_whose_slopes_are_not_negative(passe
         fit.observe(rows, context, seconds, sequences, extra)
     theta = fit.theta
     assert min(theta[1:]) >= 0.0
-    n, (gram, moment) = len(theta), fit.folded()
+    n, gram, moment = len(theta), fit.gram, fit.moment
     a = [[g + (fit.ridge if i == j else 0.0) for j, g in enumerate(row)] for i, row in enumerate(gram)]
     oracle = [0.0] * n
     for _ in range(3000):
@@ -840,8 +840,8 @@ def test_the_fit_is_the_best_over_every_set_of_free_slopes(passes):
     fit = LinearFit()
     for rows, sequences, context, extra, seconds in passes:
         fit.observe(rows, context, seconds, sequences, extra)
-    gram, moment = fit.folded()
-    a = gram + fit.ridge * np.eye(len(moment))
+    moment = np.array(fit.moment)
+    a = np.array(fit.gram) + fit.ridge * np.eye(len(moment))
 
     def objective(t):
         return t @ a @ t - 2.0 * t @ moment
