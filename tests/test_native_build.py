@@ -3,7 +3,10 @@ an unusable cached library, the refusal of caches other users could write into.
 
 Every test builds into its own ``MMKV_NATIVE_CACHE`` (and its own temporary directory, where a
 refused cache's private build goes), and forgets the loaded library and the callers' lookups
-before and after, so the other tests' kernels come from the usual cache again."""
+before and after, so the other tests' kernels come from the usual cache again. The module compiles
+the sources once for real (``built_once``); each test's builds then run ``CC``'s stand-in, which
+writes empty objects and links by copying that library, so every step of ``_build`` but the
+compiler itself (its directory, mode, check and rename) runs in seconds instead of a compile each."""
 
 import ctypes
 import logging
@@ -27,13 +30,39 @@ def forget_library() -> None:
     sampler.top_tokens_kernel.cache_clear()
 
 
+STAND_IN_COMPILER = """#!/bin/sh
+out=; previous=
+for arg in "$@"; do [ "$previous" = -o ] && out=$arg; previous=$arg; done
+case " $* " in *" -c "*) : > "$out" ;; *) cp "{library}" "$out" ;; esac
+"""
+
+
+@pytest.fixture(scope="module")
+def built_once(tmp_path_factory):
+    """The library compiled from the sources, by the real compiler, in a cache of its own."""
+    root = tmp_path_factory.mktemp("built-once")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MMKV_NATIVE_CACHE", str(root))
+        patch.delenv("MMKV_NATIVE", raising=False)
+        patch.delenv("CC", raising=False)
+        forget_library()
+        assert_kernels_work(native_library.library())
+        path = native_library._library_path()
+    forget_library()
+    return path
+
+
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
+def cache(tmp_path, monkeypatch, built_once):
     """The cache directory (not yet created) the library is built in; ``tmp_path / "tmp"`` is the
-    system's temporary directory meanwhile."""
+    system's temporary directory meanwhile, and ``CC`` the stand-in linking ``built_once``."""
     (tmp_path / "tmp").mkdir()
+    compiler = tmp_path / "cc"
+    compiler.write_text(STAND_IN_COMPILER.format(library=built_once))
+    compiler.chmod(0o755)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setenv("MMKV_NATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(compiler))
     monkeypatch.delenv("MMKV_NATIVE", raising=False)
     forget_library()
     yield tmp_path / "cache"
@@ -71,10 +100,11 @@ def test_an_unusable_cached_library_is_rebuilt_once(cache, monkeypatch, caplog):
     cache.mkdir()
     path = native_library._library_path()
     path.write_bytes(b"not a shared library")
+    stand_in = os.environ["CC"]
     monkeypatch.setenv("CC", "false")  # the rebuild fails
     assert native_library.library() is None and native.kernel() is None
     assert "rebuilding" in caplog.text and "native kernels unavailable" in caplog.text
-    monkeypatch.delenv("CC")
+    monkeypatch.setenv("CC", stand_in)
 
     forget_library()
     assert_kernels_work(native_library.library())
