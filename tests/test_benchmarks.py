@@ -414,6 +414,32 @@ def test_spec_compare_runs_the_new_engine_on_its_settings(monkeypatch):
         spec_compare.run(parser.parse_args(["--set", "explores=1"]))
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_spec_compare_serves_the_prompts_bench_spec_serves(monkeypatch, batch):
+    """The same prompts in a cell of each: at batch 1 the first eight of the 32 ``bench spec``
+    draws of each workload (eight drawn alone would be other prompts). Both stop at their first
+    run, before any engine is built."""
+
+    class Served(Exception):
+        pass
+
+    def first_run(engines, prompts, *_, **__):
+        raise Served(prompts)
+
+    for module in (spec_bench, spec_compare):
+        monkeypatch.setattr(module, "in_turns", first_run)
+        monkeypatch.setattr(module, "fresh_engine", lambda *_, **__: None)
+    served = []
+    for module, argv in ((spec_bench, ["--loads", "short", "--batches", str(batch), "--regimes", "greedy"]),
+                         (spec_compare, ["--load", "short", "--batch", str(batch)])):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        with pytest.raises(Served) as raised:
+            module.run(parser.parse_args(argv))
+        served.append(raised.value.args[0])
+    assert len(served[0]) == (8 if batch == 1 else 32) and served[0] == served[1]
+
+
 @pytest.mark.parametrize("seconds, rounds", [(0, 2), (10, 6), (100, 2 * spec_bench.MAX_ROUNDS)])
 def test_short_runs_get_more_rounds_up_to_a_cap(monkeypatch, seconds, rounds):
     """Rounds are added while the counted runs took under ``seconds`` (two configs a round, each

@@ -85,6 +85,7 @@ from mmkv.synthetic import (document_prompt, random_report, random_scene, report
 from speculative import SpeculativeConfig
 from speculative.proposers import SpeculationStats
 
+REQUESTS, BATCH1_REQUESTS = 32, 8  # prompts drawn of each workload; at batch 1 the first of them
 PARAMS = SamplingParams(max_tokens=48)
 LOADS = ("scenes", "summaries", "short", "mixed")  # the workloads (``workloads``)
 TUNED_BATCHES = (1, 8, 32)  # the batch sizes the controller's rules were tuned at
@@ -103,8 +104,9 @@ PLAIN = "plain"  # the plain engine every config runs beside
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL)
     p.add_argument("--draft", type=Path, default=BUNDLED_DRAFT_MODEL)
-    p.add_argument("--requests", type=int, default=32, help="per workload, served at batch 8 and 32")
-    p.add_argument("--batch1-requests", type=int, default=8, help="per workload, served one at a time")
+    p.add_argument("--requests", type=int, default=REQUESTS, help="per workload, served at batch 8 and 32")
+    p.add_argument("--batch1-requests", type=int, default=BATCH1_REQUESTS,
+                   help="per workload, the first of those, served one at a time")
     p.add_argument("--batches", default="1,4,8,16,32", help="batch sizes")
     p.add_argument("--regimes", default=",".join(REGIMES),
                    help="how requests are served, of " + ", ".join(REGIMES) + " (tN: sampled at "

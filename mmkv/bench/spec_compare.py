@@ -1,16 +1,17 @@
 """A change of the speculation controller's settings against its defaults, engines taking turns.
 
 ``python -m mmkv.bench spec-compare --method early_exit --load summaries --batch 8 --set explore=1``:
-each round a plain engine, a speculative engine on the controller's default settings (``old``)
-and one on the changed settings (``new``), fresh and warmed up as ``bench spec`` makes them, serve
-the same prompts taking turns step by step (``spec_bench.in_turns``), each engine leading a third
-of the rounds. It reports ``new_over_old`` (old's seconds over new's: above 1, the change is
-faster) and each one's speedup over the plain engine, per round and as the median over groups of
-three rounds, one led by each engine (``spec_bench.paired``), the draft tokens each speculative
-engine proposed, and the thread count each engine's decoding steps ended on with the log of the
-other count's time over it (``decode_threads_<engine>``, from the last round); the first round is
-left out (it warms the process). ``--set`` takes any field of ``speculative.controller.Settings``;
-without it the two speculative engines are identical, which shows the comparison's own noise.
+each round a plain engine, a speculative engine on the controller's default settings (``old``) and
+one on the changed settings (``new``), fresh and warmed up as ``bench spec`` makes them, serve the
+prompts ``bench spec`` serves in that cell, taking turns step by step (``spec_bench.in_turns``),
+each engine leading a third of the rounds. It reports ``new_over_old`` (old's seconds over new's:
+above 1, the change is faster) and each one's speedup over the plain engine, per round and as the
+median over groups of three rounds, one led by each engine (``spec_bench.paired``), the draft tokens
+each speculative engine proposed, and the thread count each engine's decoding steps ended on with
+the log of the other count's time over it (``decode_threads_<engine>``, from the last round); the
+first round is left out (it warms the process). ``--set`` takes any field of
+``speculative.controller.Settings``; without it the two speculative engines are identical, which
+shows the comparison's own noise.
 
 Three engines taking turns run slower than two, and speculation loses less of its speed among
 three than plain decoding does, so the speedups here read higher than ``bench spec``'s pairs; the
@@ -23,8 +24,8 @@ import argparse
 from dataclasses import fields, replace
 from pathlib import Path
 
-from mmkv.bench.spec_bench import (LOADS, PLAIN, REGIMES, fresh_engine, in_turns, pace_of, paired, served,
-                                   warm_ups, workloads)
+from mmkv.bench.spec_bench import (BATCH1_REQUESTS, LOADS, PLAIN, REGIMES, REQUESTS, fresh_engine, in_turns,
+                                   pace_of, paired, served, warm_ups, workloads)
 from mmkv.bundled import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL, BUNDLED_SPECULATION
 from speculative import SpeculativeConfig
 from speculative.controller import Settings
@@ -58,8 +59,10 @@ def run(args: argparse.Namespace) -> dict:
         settings = parse_settings(args.settings)
     except ValueError as err:
         raise SystemExit(f"--set {err}") from None
-    requests = args.requests or (8 if args.batch == 1 else 32)
-    prompts = workloads(requests, args.seed)[args.load]
+    requests = args.requests or (BATCH1_REQUESTS if args.batch == 1 else REQUESTS)
+    # bench spec's prompts: it draws REQUESTS of each workload and serves the first ones at batch 1
+    # (a smaller draw holds other prompts: the workloads take turns drawing from one generator)
+    prompts = workloads(max(requests, REQUESTS), args.seed)[args.load][:requests]
     warm_up = warm_ups(args.seed)[args.load]
     speculative = SpeculativeConfig(method=args.method, num_tokens=BUNDLED_SPECULATION["num_tokens"],
                                     adaptive_threshold=BUNDLED_SPECULATION["adaptive_threshold"],
