@@ -37,6 +37,8 @@ from speculative.config import SpeculativeConfig
 from speculative.proposers import DraftModelSpeculator, EarlyExitSpeculator, Speculator
 from speculative.verification import Verdict
 
+IDLE_TRIM_GROWTH = 16 * 2**20  # resident bytes grown since the last trim that an idle engine trims
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionPlanning:
@@ -129,8 +131,10 @@ class ModelRunner:
         speculation controller's, as a step's cost includes applying it; the decoding threads').
         When the engine is ``idle``, give torch every core back and hand back the memory the
         steps worked in: the quantized layers' dequantization buffers and the C heap's free
-        pages (a prefill's activations), so an idle engine holds its model, its KV pools and
-        little else. (The next busy step faults its pages in again.)"""
+        pages (a prefill's activations) once the process has grown by ``IDLE_TRIM_GROWTH`` since
+        the last trim, so an idle engine holds its model, its KV pools and little else. (The next
+        busy step faults those pages in again: an engine serving one short request at a time
+        would pay that after every request.)"""
         if self._plain_pass is not None:
             self.speculator.observe("plain", *self._plain_pass)
             self._plain_pass = None
@@ -147,7 +151,7 @@ class ModelRunner:
             if self.decode_threads is not None:
                 self.decode_threads.release()
             release_dequantize_buffers()
-            release_free_heap()
+            release_free_heap(grown_by=IDLE_TRIM_GROWTH)
 
     def _timed_plain(self, seqs: list[Sequence], q_lens: list[int], result: StepResult,
                      alone: bool) -> None:

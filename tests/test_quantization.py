@@ -225,7 +225,7 @@ def test_an_idle_engine_hands_back_its_dequantization_buffers_and_free_heap(mode
     from mmkv.quantization import linear
 
     trims = []
-    monkeypatch.setattr(runner, "release_free_heap", lambda: trims.append(True))
+    monkeypatch.setattr(runner, "release_free_heap", lambda **_: trims.append(True))
     eng = Engine(model_dirs["llama"], quantization="int4", kv_cache_memory="4MiB")
     made = []
     buffer = linear.dequantize_buffer
