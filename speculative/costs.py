@@ -158,10 +158,9 @@ class PassCosts:
         expected = fit.observe(rows, context, seconds, sequences, extra)
         self.counts[kind] += 1
         features, past_seconds, predicted = (NO_FEATURES, 0.0, 0.0) if kind in ("plain", "first_draft") else self._round
-        at = FITS.index(FIT_OF[kind]) * NUM_FEATURES
-        features = [*features[:at], *map(sum, zip(features[at:at + NUM_FEATURES],
-                                                    _features(rows, context, sequences, extra))),
-                    *features[at + NUM_FEATURES:]]
+        features, at = list(features), FITS.index(FIT_OF[kind]) * NUM_FEATURES  # its fit's five
+        for i, f in enumerate(_features(rows, context, sequences, extra), at):
+            features[i] += f
         self._round = (features, past_seconds + seconds, predicted + (expected or math.inf))
         if kind in ("plain", "verify") and not math.isinf(self._round[2]):  # else a fit was unsolved
             old = self.steps.get(key := (kind == "verify", int(sequences).bit_length()), (NO_FEATURES, 0.0))
