@@ -30,7 +30,7 @@ bench: $(STAMP)
 
 # The peers that take long to install, for `python -m mmkv.bench prefix --peers llama.cpp`:
 # llama-cpp-python compiles llama.cpp (about 11 minutes on 2 cores) with only the instruction sets
-# this CPU has and its kernel enabled (llama_cpp_peer.cmake_args), rebuilt even when installed;
+# this CPU lists, never AMX (llama_cpp_peer.cmake_args), rebuilt even when installed;
 # its source distribution also carries llama.cpp's GGUF converter, which goes to .peers/llama.cpp.
 LLAMA_CPP := 0.3.36
 PEERS := .peers/llama.cpp/convert_hf_to_gguf.py

@@ -6,8 +6,11 @@ import contextlib
 import gc
 import io
 import json
+import multiprocessing
+import os
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -658,6 +661,30 @@ def test_weights_bench_runs_every_variant_in_its_own_process():
         assert 0 <= result["greedy_agreement_gguf_q4_k_m"] <= 1
     else:
         assert result["llama_cpp"] == llama_cpp_peer.available()
+
+
+def _ends_at_once(connection) -> None:
+    os._exit(3)
+
+
+def test_a_variant_whose_process_dies_is_an_error_naming_it_not_a_wait():
+    """A variant's process that dies (a peer built for an instruction this CPU refuses, say) ends
+    the bench with an error naming it and how it ended, where the bench once waited for ever on
+    its answer."""
+    from mmkv.bench import weights_bench
+
+    ended: list = []
+
+    def call() -> None:
+        try:
+            weights_bench.in_process(multiprocessing.get_context("fork"), _ends_at_once)
+        except RuntimeError as err:
+            ended.append(str(err))
+
+    waiter = threading.Thread(target=call, daemon=True)
+    waiter.start()
+    waiter.join(timeout=60)
+    assert ended == ["_ends_at_once's process ended without answering (exit code 3)"]
 
 
 def test_weights_bench_times_every_way_a_quantized_layer_runs():

@@ -11,9 +11,8 @@ ids, comparable with mmkv's greedy output.
 ``make bench-peers`` installs llama-cpp-python (it compiles llama.cpp), gguf and sentencepiece, and
 puts llama.cpp's converter (``convert_hf_to_gguf.py`` and its modules, from the llama-cpp-python
 source distribution) under ``.peers/llama.cpp``. Without them ``available()`` says what is missing.
-It builds llama.cpp with ``cmake_args()``: on x86 Linux, only the instruction sets this CPU has and
-the kernel enabled, so the build runs where ``-march=native`` would not (a VM whose CPU advertises
-AMX its kernel never enabled).
+It builds llama.cpp with ``cmake_args()``: on x86 Linux, only the instruction sets this CPU lists
+(the kernel enabled), and never AMX (``cmake_args`` says why).
 """
 
 from __future__ import annotations
@@ -48,25 +47,17 @@ def cpu_flags() -> set[str]:
     return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
 
 
-def amx_permitted() -> bool:
-    """Whether the kernel lets this process use AMX tiles: ``arch_prctl(ARCH_REQ_XCOMP_PERM,
-    XFEATURE_XTILEDATA)`` succeeds only where the kernel enabled the tile state."""
-    SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
-
-
-def cmake_args(flags: set[str] | None = None, amx: bool | None = None) -> str:
-    """llama.cpp's CMake options for this machine (``flags``, ``amx``: its cpuinfo flags and
-    ``amx_permitted()`` unless given). On x86: ``-DGGML_NATIVE=OFF`` and each ``X86_OPTIONS``
-    entry ON exactly when the CPU lists all its flags (AMX also only when permitted), so no
-    instruction the OS has not enabled is compiled in. Elsewhere: ``-DGGML_NATIVE=ON``."""
+def cmake_args(flags: set[str] | None = None) -> str:
+    """llama.cpp's CMake options for this machine (``flags``: its cpuinfo flags unless given). On
+    x86: ``-DGGML_NATIVE=OFF`` and each ``X86_OPTIONS`` entry ON exactly when the CPU lists all its
+    flags, so no instruction the OS has not enabled is compiled in; AMX's always OFF: llama.cpp's
+    AMX kernels (this version's) stop on an illegal instruction, a tile load with no tile
+    configuration, on an Intel Xeon with AMX (Q8_0 and Q4_K_M files, one thread or two), where
+    its AVX-512 VNNI kernels run. Elsewhere: ``-DGGML_NATIVE=ON``."""
     flags = cpu_flags() if flags is None else flags
     if "sse2" not in flags:
         return "-DGGML_NATIVE=ON"
-    amx = "amx_tile" in flags and (amx_permitted() if amx is None else amx)
-    on = {name for name, needs in X86_OPTIONS.items()
-          if flags.issuperset(needs) and (amx or not name.startswith("AMX"))}
+    on = {name for name, needs in X86_OPTIONS.items() if flags.issuperset(needs) and not name.startswith("AMX")}
     return " ".join(["-DGGML_NATIVE=OFF"] + [f"-DGGML_{n}={'ON' if n in on else 'OFF'}" for n in X86_OPTIONS])
 
 

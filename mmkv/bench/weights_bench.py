@@ -292,15 +292,35 @@ def process_contexts() -> dict:
     return {"mmkv": server, "llama.cpp": multiprocessing.get_context("spawn")}
 
 
-def in_process(context, target, *args):
-    """``target(connection, *args)``'s one message, from a process of its own."""
+def start(context, target, *args):
+    """``target(connection, *args)`` in a process of its own, and this side's end of the
+    connection. This process keeps no copy of the other end, so should that process die, a
+    ``receive`` from it ends (rather than waiting for an answer that cannot come)."""
     mine, theirs = context.Pipe()
     process = context.Process(target=target, args=(theirs, *args), daemon=True)
     process.start()
+    theirs.close()
+    return mine, process
+
+
+def receive(link: tuple, name: str):
+    """The next message from a process ``start`` began, or a ``RuntimeError`` naming ``name``
+    and how the process ended where it ended first."""
+    connection, process = link
     try:
-        return mine.recv()
+        return connection.recv()
+    except EOFError:
+        process.join(timeout=30)
+        raise RuntimeError(f"{name}'s process ended without answering (exit code {process.exitcode})") from None
+
+
+def in_process(context, target, *args):
+    """``target(connection, *args)``'s one message, from a process of its own."""
+    link = start(context, target, *args)
+    try:
+        return receive(link, target.__name__)
     finally:
-        process.join()
+        link[1].join()
 
 
 def compare(sources: dict[str, tuple], work: dict, repeats: int) -> dict:
@@ -314,21 +334,18 @@ def compare(sources: dict[str, tuple], work: dict, repeats: int) -> dict:
             context = contexts[kind]
             if kind == "mmkv":
                 out[f"load_rss_{name}"] = in_process(context, measure_load, source, quantization)
-            mine, theirs = context.Pipe()
-            process = context.Process(target=serve_variant, args=(theirs, *sources[name], work), daemon=True)
-            process.start()
-            links[name] = (mine, process)
-            out[f"weight_bytes_{name}"] = mine.recv()
+            links[name] = start(context, serve_variant, *sources[name], work)
+            out[f"weight_bytes_{name}"] = receive(links[name], name)
         for workload in work:
             for order in rotated(names, repeats):
                 for name in order:
                     links[name][0].send(workload)
-                    took, outs = links[name][0].recv()
+                    took, outs = receive(links[name], name)
                     seconds.setdefault((name, workload), []).append(took)
                     outputs[name, workload] = outs
         for name in names:
             links[name][0].send(None)
-            out[f"rss_{name}"], out[f"peak_rss_{name}"] = links[name][0].recv()
+            out[f"rss_{name}"], out[f"peak_rss_{name}"] = receive(links[name], name)
     finally:
         for _, process in links.values():
             process.join(timeout=30)
