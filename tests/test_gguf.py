@@ -41,11 +41,12 @@ def test_each_block_type_repacks_to_the_weights_gguf_dequantizes(kind):
 
 
 @pytest.mark.parametrize("kind", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0], ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 21])
 def test_bfloat16_rows_meet_the_repacked_weight_in_bfloat16(kind, rows):
-    """A bfloat16 model's rows go through the dot-product kernel where the CPU has it: each
-    weight is its dequantized value rounded to bfloat16 (groups of 16 and 32; two levels)."""
-    weight = repack(kind, raw_blocks(kind, 9, 512), 9, 512)
+    """A bfloat16 model's rows go through the dot-product kernel or AMX tiles where the CPU has
+    them: each weight is its dequantized value rounded to bfloat16 (groups of 16 and 32; two
+    levels). 37 channels: two whole tile blocks and a partial one."""
+    weight = repack(kind, raw_blocks(kind, 37, 512), 37, 512)
     layer = QuantizedLinear(weight, None)
     x = torch.randn(rows, 512).bfloat16()
     if layer.kernels is None or layer.run_kernel(layer.kernels[1], x) is None:

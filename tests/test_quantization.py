@@ -109,15 +109,17 @@ def test_layer_computes_with_the_dequantized_weight(method, rows):
 
 
 @pytest.mark.parametrize("method, group", [("int8", 32), ("int4", 32), ("int4", 64)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 17, 40])
 def test_bfloat16_rows_meet_the_weight_in_bfloat16(method, group, rows):
-    """bfloat16 rows go through the dot-product kernel where the CPU has it: int8 codes are exact
-    in bfloat16 (the scale multiplies the sum), an int4 weight is its dequantized value rounded to
-    bfloat16, as the bfloat16 model holds it; sums in float32. 192 inputs are three of the int4
-    kernel's 64-input steps: at group 32 each step spans two groups, at 64 one."""
+    """bfloat16 rows go through the dot-product kernel or AMX tiles where the CPU has them: int8
+    codes are exact in bfloat16 (the scale multiplies the sum), an int4 weight is its dequantized
+    value rounded to bfloat16, as the bfloat16 model holds it; sums in float32. 192 inputs are
+    three of the int4 kernel's 64-input steps: at group 32 each step spans two groups, at 64 one.
+    37 channels are two whole tile blocks and a partial one; 17 and 40 rows fill a second row
+    tile and a second pass over the blocks."""
     torch.manual_seed(rows)
-    w, bias, x = torch.randn(37, 192), torch.randn(37), torch.randn(rows, 192).bfloat16()
-    layer = QuantizedLinear(quantize(w, Quantization(method, group)), bias)
+    w, bias, x = torch.randn(37, 192), torch.randn(37).bfloat16(), torch.randn(rows, 192).bfloat16()
+    layer = QuantizedLinear(quantize(w, Quantization(method, group)), bias)  # a bfloat16 model's bias
     if layer.kernels is None or layer.run_kernel(layer.kernels[1], x) is None:
         pytest.skip("no AVX512-BF16 kernel on this CPU (the float32 kernel runs bfloat16 rows)")
     weight = layer.weight.dequantize()
@@ -158,25 +160,35 @@ def test_bfloat16_rows_run_either_way_with_the_weight_each_way_holds(method, gro
 
 @pytest.mark.parametrize("way", ["bfloat16", "float32"])
 def test_a_layer_runs_bfloat16_rows_the_way_timed_faster_here(monkeypatch, way):
-    """Each path's way is timed once per process and followed by every call after; here the
-    choice is set, then read back from what the layer computes."""
+    """Each path's ways are timed once per process at each of its timed row counts, and every
+    call after follows the timing nearest its rows; here the answers are set (the other way at 16
+    rows natively, ``way`` at the other counts), then read back from what the layer computes."""
     from mmkv.quantization import linear
 
     monkeypatch.setattr(linear, "_FASTER_WAY", {})
     assert linear.bfloat16_way("dense", linear.FLOAT32_DENSE_ROWS) in linear.BFLOAT16_WAYS  # timed: any
+    other = next(w for w in linear.BFLOAT16_WAYS if w != way)
     timed = []
-    monkeypatch.setattr(linear, "time_bfloat16_ways", lambda path: timed.append(path) or way)
+
+    def answer(path, rows):
+        timed.append((path, rows))
+        return other if (path, rows) == ("native", 16) else way
+
+    monkeypatch.setattr(linear, "time_bfloat16_ways", answer)
     monkeypatch.setattr(linear, "_FASTER_WAY", {})
     torch.manual_seed(0)
     layer = QuantizedLinear(quantize(torch.randn(37, 192), Quantization("int4")), None)
-    for rows in (3, NATIVE_ROWS + 3, linear.FLOAT32_DENSE_ROWS):
+    for rows in (1, 3, 5, 12, NATIVE_ROWS, NATIVE_ROWS + 3, linear.FLOAT32_DENSE_ROWS):
         x = torch.randn(rows, 192).bfloat16()
-        path = layer.native if layer.kernels and rows <= NATIVE_ROWS else layer.dense
-        # a short dense call stays bfloat16 whatever was timed
-        expected_way = "bfloat16" if path == layer.dense and rows < linear.FLOAT32_DENSE_ROWS else way
+        if layer.kernels and rows <= NATIVE_ROWS:  # 1 row timed at 1, 3 and 5 nearest 4, 12 and 32 nearest 16
+            path, expected_way = layer.native, way if rows < 8 else other
+        else:  # a short dense call stays bfloat16 whatever was timed
+            path, expected_way = layer.dense, "bfloat16" if rows < linear.FLOAT32_DENSE_ROWS else way
         for _ in range(2):
             assert torch.equal(layer(x), path(x, expected_way)), (rows, way)
-    assert sorted(timed) == (["dense", "native"] if layer.kernels else ["dense"])
+    dense = [("dense", 2 * linear.FLOAT32_DENSE_ROWS)]
+    native = [("native", 1), ("native", 4), ("native", 16)]
+    assert sorted(timed) == (dense + native if layer.kernels else dense)
 
 
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")],

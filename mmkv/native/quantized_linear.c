@@ -548,10 +548,196 @@ static void int8_channels_bf16(const uint16_t *x, int64_t rows, int64_t in, cons
 DEFINE_GROUPED_CHANNELS(int4_channels_bf16, uint16_t, uint8_t, int4_tile_bf16)
 #endif
 
+/* ---- bfloat16 rows on AMX tiles ---------------------------------------------------------------
+ *
+ * Where the CPU has AMX and the kernel grants this process the tile state, the bfloat16 kernels
+ * run calls of AMX_MIN_ROWS rows or more as tile products, in blocks of AMX_CHANNELS channels. A block's weights are decoded, 32 inputs
+ * of each channel at a time, into a 16 x 32 bfloat16 tile, row n channel n: the weights the
+ * dot-product kernels use (int8 codes exact, the channel's scale multiplying the sum; grouped
+ * weights q * scale + offset rounded to bfloat16). The rows' inputs are laid out once per call
+ * as tiles of 16 input pairs x AMX_ROWS rows (amx_row_tiles), and TDPBF16PS adds each tile's
+ * products, summed in float32, into a 16 channels x 16 rows accumulator. The dot-product kernels
+ * spend one instruction per row on each decoded weight; a tile product takes 16 rows at once, so
+ * a call costs about the weights' decoding whether it has 4 rows or 32. Two accumulators a row
+ * tile take the even and odd 32-input steps, so consecutive tile products do not wait on each
+ * other; a block passes over up to two row tiles (32 rows) per decoding of its weights. */
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MMKV_AMX 1
+#define AMX_CHANNELS 16
+#define AMX_ROWS 16
+#define AMX_MIN_ROWS 4  /* fewer rows run the dot-product kernels: faster there on a 2-core Xeon */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Whether this process may use the tile registers: the kernel grants them on request
+ * (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), once per process. */
+static int amx_usable(void) {
+    static int state;  /* 0 not asked yet, 1 granted, -1 refused */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (!s) {
+        s = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s > 0;
+}
+
+/* The rows' inputs as B tiles: tile (k, c) holds rows [16k, 16k + 16) and inputs
+ * [32c, 32c + 32), its line t the input pair (32c + 2t, 32c + 2t + 1) of each row (zero past the
+ * last row); a tile is 16 lines of 64 bytes. NULL when out of memory. */
+static uint32_t *amx_row_tiles(const uint16_t *x, int64_t rows, int64_t in) {
+    const int64_t tiles = (rows + AMX_ROWS - 1) / AMX_ROWS, steps = in / 32;
+    uint32_t *xb = aligned_alloc(64, tiles * steps * 1024);
+    if (!xb) return NULL;
+    memset(xb, 0, tiles * steps * 1024);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < steps; c++)
+            for (int t = 0; t < 16; t++)
+                memcpy(xb + ((r / AMX_ROWS) * steps + c) * 256 + t * 16 + r % AMX_ROWS,
+                       x + r * in + c * 32 + 2 * t, 4);
+    return xb;
+}
+
+/* The tile products of a step pair for one row tile: accumulators EVEN and ODD (tile numbers,
+ * literal: they name registers) take the even and odd steps' products of A tiles 4 and 5 with
+ * the row tile's B tiles at xb (6 and 7). */
+#define AMX_ROW_TILE(EVEN, ODD, xb)                                                              \
+    do {                                                                                         \
+        _tile_loadd(6, (xb), 64);                                                                \
+        _tile_loadd(7, (xb) + 256, 64);                                                          \
+        _tile_dpbf16ps(EVEN, 4, 6);                                                              \
+        _tile_dpbf16ps(ODD, 5, 7);                                                               \
+    } while (0)
+
+/* Channels [0, out) of y = x @ w.T (+ bias) in blocks of AMX_CHANNELS, in parallel, for rows
+ * whose B tiles are xb. SCALE (naming n) multiplies channel o + n's sums; SETUP (naming o, C:
+ * the block's first channel and its channel count) runs once a block; the rest, BUILD (naming
+ * n, o, step and a), decodes channel o + n's weights for inputs [32 step, 32 step + 64) into
+ * a[0] + 32 n and a[1] + 32 n. */
+#define AMX_BLOCKS(xb, rows, in, out, bias, y, SCALE, SETUP, ...)                               \
+    do {                                                                                         \
+        const int64_t blocks = ((out) + AMX_CHANNELS - 1) / AMX_CHANNELS, steps = (in) / 32;    \
+        const int64_t row_tiles = ((rows) + AMX_ROWS - 1) / AMX_ROWS;                            \
+        _Pragma("omp parallel")                                                                  \
+        {                                                                                        \
+            tile_config config = {.palette = 1};                                                 \
+            for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;               \
+            _tile_loadconfig(&config);                                                           \
+            uint16_t a[2][AMX_CHANNELS * 32] __attribute__((aligned(64)));                       \
+            float sums[4][AMX_CHANNELS * AMX_ROWS] __attribute__((aligned(64)));                 \
+            _Pragma("omp for schedule(static)")                                                  \
+            for (int64_t b = 0; b < blocks; b++) {                                               \
+                const int64_t o = b * AMX_CHANNELS;                                              \
+                const int C = (out) - o < AMX_CHANNELS ? (int)((out) - o) : AMX_CHANNELS;        \
+                if (C < AMX_CHANNELS) memset(a, 0, sizeof(a));                                   \
+                SETUP;                                                                           \
+                for (int64_t k = 0; k < row_tiles; k += 2) {                                     \
+                    const int pair = row_tiles - k >= 2;                                         \
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);                  \
+                    for (int64_t step = 0; step < steps; step += 2) {                            \
+                        for (int n = 0; n < C; n++) { __VA_ARGS__; }                                       \
+                        _tile_loadd(4, a[0], 64);                                                \
+                        _tile_loadd(5, a[1], 64);                                                \
+                        AMX_ROW_TILE(0, 1, (xb) + (k * steps + step) * 256);                        \
+                        if (pair) AMX_ROW_TILE(2, 3, (xb) + ((k + 1) * steps + step) * 256);        \
+                    }                                                                            \
+                    _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64);                  \
+                    _tile_stored(2, sums[2], 64); _tile_stored(3, sums[3], 64);                  \
+                    for (int p = 0; p <= pair; p++)                                              \
+                        for (int64_t m = 0; m < AMX_ROWS && (k + p) * AMX_ROWS + m < (rows); m++) \
+                            for (int n = 0; n < C; n++)                                          \
+                                (y)[((k + p) * AMX_ROWS + m) * (out) + o + n] =                  \
+                                    (sums[2 * p][n * AMX_ROWS + m] + sums[2 * p + 1][n * AMX_ROWS + m]) \
+                                        * (SCALE) + ((bias) ? (bias)[o + n] : 0.0f);            \
+                }                                                                                \
+            }                                                                                    \
+            _tile_release();                                                                     \
+        }                                                                                        \
+    } while (0)
+
+static int int8_linear_amx(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,
+                           const float *scale, const float *bias, float *y, int64_t out) {
+    uint32_t *xb = amx_row_tiles(x, rows, in);
+    if (!xb) return -1;
+    AMX_BLOCKS(xb, rows, in, out, bias, y, scale[o + n], (void)0,
+        const int8_t *p = codes + (o + n) * in + step * 32;
+        PREFETCH_NEXT_BLOCK(p, AMX_CHANNELS * in);
+        PREFETCH_NEXT_BLOCK(p + 63, AMX_CHANNELS * in);
+        _mm512_store_si512(a[0] + 32 * n, (__m512i)_mm512_cvtne2ps_pbh(vint8(p + 16), vint8(p)));
+        _mm512_store_si512(a[1] + 32 * n, (__m512i)_mm512_cvtne2ps_pbh(vint8(p + 48), vint8(p + 32))));
+    free(xb);
+    return 0;
+}
+
+/* int8 in groups: each 16 codes decoded with their group's scale and offset in float32. */
+static int int8_group_linear_amx(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,
+                                 const group_values *scale, const group_values *offset,
+                                 int64_t group, const float *bias, float *y, int64_t out) {
+    uint32_t *xb = amx_row_tiles(x, rows, in);
+    if (!xb) return -1;
+    const int64_t groups = in / group;
+    AMX_BLOCKS(xb, rows, in, out, bias, y, 1.0f,
+               float sc[AMX_CHANNELS * groups]; float mn[AMX_CHANNELS * groups];
+               expand_groups(scale, o, C, groups, sc); expand_groups(offset, o, C, groups, mn),
+        const int8_t *p = codes + (o + n) * in + step * 32;
+        PREFETCH_NEXT_BLOCK(p, AMX_CHANNELS * in);
+        PREFETCH_NEXT_BLOCK(p + 63, AMX_CHANNELS * in);
+        const float *s = sc + n * groups, *m = mn + n * groups;
+        __m512 part[4];
+        for (int h = 0; h < 4; h++) {
+            const int64_t g = (step * 32 + 16 * h) / group;
+            part[h] = _mm512_fmadd_ps(vint8(p + 16 * h), _mm512_set1_ps(s[g]), _mm512_set1_ps(m[g]));
+        }
+        _mm512_store_si512(a[0] + 32 * n, (__m512i)_mm512_cvtne2ps_pbh(part[1], part[0]));
+        _mm512_store_si512(a[1] + 32 * n, (__m512i)_mm512_cvtne2ps_pbh(part[3], part[2])));
+    free(xb);
+    return 0;
+}
+
+/* int4: a channel's 64 inputs share one table of both 32-input halves' sixteen weights (as the
+ * dot-product kernel's); each byte's two nibbles become the indices of its two inputs, in input
+ * order ((b | b << 12) per 32-bit lane puts the high nibble in the odd word), bit 4 picking the
+ * half. */
+static int int4_linear_amx(const uint16_t *x, int64_t rows, int64_t in, const uint8_t *codes,
+                           const group_values *scale, const group_values *offset, int64_t group,
+                           const float *bias, float *y, int64_t out) {
+    uint32_t *xb = amx_row_tiles(x, rows, in);
+    if (!xb) return -1;
+    const int64_t groups = in / group, half = in / 2;
+    const __m512 codes16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i nibbles = _mm512_set1_epi32(0x000F000F), second = _mm512_set1_epi32(0x00100010);
+    AMX_BLOCKS(xb, rows, in, out, bias, y, 1.0f,
+               float sc[AMX_CHANNELS * groups]; float mn[AMX_CHANNELS * groups];
+               expand_groups(scale, o, C, groups, sc); expand_groups(offset, o, C, groups, mn),
+        const uint8_t *p = codes + (o + n) * half + step * 16;
+        PREFETCH_NEXT_BLOCK(p, AMX_CHANNELS * half);
+        const float *s = sc + n * groups, *m = mn + n * groups;
+        const int64_t first = step * 32 / group, next = (step * 32 + 32) / group;
+        const __m512 low = _mm512_fmadd_ps(codes16, _mm512_set1_ps(s[first]), _mm512_set1_ps(m[first]));
+        const __m512 high = _mm512_fmadd_ps(codes16, _mm512_set1_ps(s[next]), _mm512_set1_ps(m[next]));
+        const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(high, low);
+        const __m512i b0 = vbytes(p), b1 = vbytes(p + 16);
+        const __m512i i0 = _mm512_ternarylogic_epi32(b0, _mm512_slli_epi32(b0, 12), nibbles, 0xA8);
+        const __m512i i1 = _mm512_ternarylogic_epi32(b1, _mm512_slli_epi32(b1, 12), second, 0xFE);
+        _mm512_store_si512(a[0] + 32 * n, _mm512_permutexvar_epi16(i0, table));
+        _mm512_store_si512(a[1] + 32 * n, _mm512_permutexvar_epi16(i1, table)));
+    free(xb);
+    return 0;
+}
+#endif
+
 int mmkv_int8_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,
                           const float *scale, const float *bias, float *y, int64_t out) {
 #if defined(__AVX512BF16__)
     if (in % 32) return -1;
+#if defined(MMKV_AMX)
+    if (rows >= AMX_MIN_ROWS && in % 64 == 0 && amx_usable()) return int8_linear_amx(x, rows, in, codes, scale, bias, y, out);
+#endif
     OVER_CHANNEL_BLOCKS(out, int8_channels_bf16(x, rows, in, codes, scale, bias, y, out, o, C));
     return 0;
 #else
@@ -565,6 +751,10 @@ int mmkv_int8_group_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, con
                                 const float *bias, float *y, int64_t out) {
 #if defined(__AVX512BF16__)
     if (group % 16 || in % group || in % 32) return -1;
+#if defined(MMKV_AMX)
+    if (rows >= AMX_MIN_ROWS && in % 64 == 0 && amx_usable())
+        return int8_group_linear_amx(x, rows, in, codes, scale, offset, group, bias, y, out);
+#endif
     OVER_CHANNEL_BLOCKS(out, int8_group_channels_bf16(x, rows, in, codes, scale, offset, group, bias, y, out, o, C));
     return 0;
 #else
@@ -579,6 +769,9 @@ int mmkv_int4_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const uin
                           const float *bias, float *y, int64_t out) {
 #if defined(__AVX512BF16__)
     if (group % 32 || in % group || in % 64) return -1;
+#if defined(MMKV_AMX)
+    if (rows >= AMX_MIN_ROWS && amx_usable()) return int4_linear_amx(x, rows, in, codes, scale, offset, group, bias, y, out);
+#endif
     uint16_t *xs = split_bfloat16(x, rows, in);
     if (!xs) return -1;
     OVER_CHANNEL_BLOCKS(out, int4_channels_bf16(xs, rows, in, codes, scale, offset, group, bias, y, out, o, C));

@@ -15,11 +15,11 @@ Two ways to run one, chosen per call by the number of rows:
   (``release_dequantize_buffers``).
 
 bfloat16 rows on the CPU run either of two ways, whichever is faster on this CPU
-(``bfloat16_way``, timed once per process and path on a synthetic layer):
+(``bfloat16_way``, timed once per process, path and row count on a synthetic layer):
 
 - **bfloat16**: the weight in bfloat16 (each value rounded to it) meets the rows in the CPU's
-  bfloat16 dot-product instruction (native) or oneDNN's bfloat16 GEMM (dense); products summed in
-  float32.
+  bfloat16 dot-product instruction or, from 4 rows where the CPU has AMX, its tile product
+  (native), or oneDNN's bfloat16 GEMM (dense); products summed in float32.
 - **float32**: the rows widened to float32 (exactly) meet the weight in float32 (not rounded) by
   float32 FMAs (native) or the float32 GEMM (dense); the result rounded to bfloat16. Where the
   dot-product instruction runs at half the FMAs' rate (Intel Xeon without AMX) this is the
@@ -35,6 +35,7 @@ exact); the layer holds the quantized weight only (and a float32 copy of a bias)
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import time
 
@@ -118,31 +119,36 @@ def native_kernels(weight: QuantizedWeight) -> tuple | None:
 
 
 BFLOAT16_WAYS = ("bfloat16", "float32")  # how bfloat16 rows can run (the module docstring)
-_FASTER_WAY: dict[str, str] = {}  # path ("native" or "dense") -> this CPU's faster way, once timed
+# the row counts each path's ways are timed at: a call follows the timing nearest its rows (by
+# ratio). Natively three: on AMX the bfloat16 way's tiles cost about the same from 4 rows to 32
+# while the float32 way grows with the rows, and below 4 rows the bfloat16 way is the
+# dot-product kernel, so the faster way at one count need not be the faster at another.
+TIMED_ROWS = {"native": (1, 4, 16), "dense": (2 * FLOAT32_DENSE_ROWS,)}
+_FASTER_WAY: dict[tuple[str, int], str] = {}  # (path, timed rows) -> the faster way there, once timed
 
 
 def bfloat16_way(path: str, rows: int) -> str:
     """The way ``rows`` bfloat16 rows run on ``path`` ("native" or "dense") on this CPU: the
-    faster of ``BFLOAT16_WAYS`` on a synthetic layer, timed at the first need
-    (``time_bfloat16_ways``). Dense calls of fewer than ``FLOAT32_DENSE_ROWS`` rows stay
-    bfloat16: dequantizing to float32 writes twice the bytes, which a short GEMM does not win
-    back."""
+    faster of ``BFLOAT16_WAYS`` on a synthetic layer at the ``TIMED_ROWS`` count nearest
+    ``rows``, timed at the first need (``time_bfloat16_ways``). Dense calls of fewer than
+    ``FLOAT32_DENSE_ROWS`` rows stay bfloat16: dequantizing to float32 writes twice the bytes,
+    which a short GEMM does not win back."""
     if path == "dense" and rows < FLOAT32_DENSE_ROWS:
         return "bfloat16"
-    if path not in _FASTER_WAY:
-        _FASTER_WAY[path] = time_bfloat16_ways(path)
-    return _FASTER_WAY[path]
+    timed = min(TIMED_ROWS[path], key=lambda t: abs(math.log(max(rows, 1) / t)))
+    if (path, timed) not in _FASTER_WAY:
+        _FASTER_WAY[path, timed] = time_bfloat16_ways(path, timed)
+    return _FASTER_WAY[path, timed]
 
 
 @torch.inference_mode()
-def time_bfloat16_ways(path: str, calls: int = 5) -> str:
-    """Which of ``BFLOAT16_WAYS`` runs ``path`` faster here: an int4 layer of 1024 x 2048 on 4
-    rows (native) or ``2 * FLOAT32_DENSE_ROWS`` (dense), each way's fastest of ``calls`` calls,
-    the ways taking turns. Once per path: about 35 ms native, 0.12-0.14 s dense (a 2-core Xeon)."""
+def time_bfloat16_ways(path: str, rows: int, calls: int = 5) -> str:
+    """Which of ``BFLOAT16_WAYS`` runs ``path`` faster here on ``rows`` rows: an int4 layer of
+    1024 x 2048, each way's fastest of ``calls`` calls, the ways taking turns. Once per path and
+    row count: about 35 ms natively, 0.12-0.14 s densely (a 2-core Xeon)."""
     generator = torch.Generator().manual_seed(0)
     weight = quantize(torch.randn(1024, 2048, generator=generator) * 0.02, Quantization("int4"))
     layer = QuantizedLinear(weight, None)
-    rows = 4 if path == "native" else 2 * FLOAT32_DENSE_ROWS
     x = torch.randn(rows, 2048, generator=generator).bfloat16()
     if path == "native" and (layer.kernels is None or layer.run_kernel(layer.kernels[1], x) is None):
         return "float32"  # no bfloat16 kernel here (no library, or no AVX512-BF16): nothing to time
