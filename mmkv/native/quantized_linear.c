@@ -551,23 +551,26 @@ DEFINE_GROUPED_CHANNELS(int4_channels_bf16, uint16_t, uint8_t, int4_tile_bf16)
 /* ---- bfloat16 rows on AMX tiles ---------------------------------------------------------------
  *
  * Where the CPU has AMX and the kernel grants this process the tile state, the bfloat16 kernels
- * run calls of AMX_MIN_ROWS rows or more as tile products, in blocks of AMX_CHANNELS channels. A block's weights are decoded, 32 inputs
- * of each channel at a time, into a 16 x 32 bfloat16 tile, row n channel n: the weights the
- * dot-product kernels use (int8 codes exact, the channel's scale multiplying the sum; grouped
- * weights q * scale + offset rounded to bfloat16). The rows' inputs are laid out once per call
- * as tiles of 16 input pairs x AMX_ROWS rows (amx_row_tiles), and TDPBF16PS adds each tile's
- * products, summed in float32, into a 16 channels x 16 rows accumulator. The dot-product kernels
- * spend one instruction per row on each decoded weight; a tile product takes 16 rows at once, so
- * a call costs about the weights' decoding whether it has 4 rows or 32. Two accumulators a row
- * tile take the even and odd 32-input steps, so consecutive tile products do not wait on each
- * other; a block passes over up to two row tiles (32 rows) per decoding of its weights. */
+ * run calls of AMX_MIN_ROWS rows or more as tile products, in blocks of AMX_CHANNELS channels. A
+ * block's weights are decoded, 32 inputs of each channel at a time, into a 16 x 32 bfloat16
+ * tile, row n channel n: the weights the dot-product kernels use (int8 codes exact, the channel's
+ * scale multiplying the sum; grouped weights q * scale + offset rounded to bfloat16). The rows'
+ * inputs are laid out once per call as tiles of 16 input pairs x AMX_ROWS rows (amx_row_tiles),
+ * and TDPBF16PS adds each tile's products, summed in float32, into a 16 channels x 16 rows
+ * accumulator. The dot-product kernels spend one instruction per row on each decoded weight; a
+ * tile product takes 16 rows at once, so a call costs about the weights' decoding whether it has
+ * 8 rows or 32. Two accumulators a row tile take the even and odd 32-input steps, so consecutive
+ * tile products do not wait on each other; a block passes over up to two row tiles (32 rows) per
+ * decoding of its weights. */
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define MMKV_AMX 1
 #define AMX_CHANNELS 16
 #define AMX_ROWS 16
-#define AMX_MIN_ROWS 4  /* fewer rows run the dot-product kernels: faster there on a 2-core Xeon */
+/* Fewer rows run the dot-product kernels: at 4 rows the tiles ran a model's decoding no faster
+ * than the float32 kernels on a 2-core Xeon (Q8_0 slower), at 8 and more far faster. */
+#define AMX_MIN_ROWS 8
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];

@@ -18,7 +18,7 @@ bfloat16 rows on the CPU run either of two ways, whichever is faster on this CPU
 (``bfloat16_way``, timed once per process, path and row count on a synthetic layer):
 
 - **bfloat16**: the weight in bfloat16 (each value rounded to it) meets the rows in the CPU's
-  bfloat16 dot-product instruction or, from 4 rows where the CPU has AMX, its tile product
+  bfloat16 dot-product instruction or, from 8 rows where the CPU has AMX, its tile product
   (native), or oneDNN's bfloat16 GEMM (dense); products summed in float32.
 - **float32**: the rows widened to float32 (exactly) meet the weight in float32 (not rounded) by
   float32 FMAs (native) or the float32 GEMM (dense); the result rounded to bfloat16. Where the
@@ -120,9 +120,9 @@ def native_kernels(weight: QuantizedWeight) -> tuple | None:
 
 BFLOAT16_WAYS = ("bfloat16", "float32")  # how bfloat16 rows can run (the module docstring)
 # the row counts each path's ways are timed at: a call follows the timing nearest its rows (by
-# ratio). Natively three: on AMX the bfloat16 way's tiles cost about the same from 4 rows to 32
-# while the float32 way grows with the rows, and below 4 rows the bfloat16 way is the
-# dot-product kernel, so the faster way at one count need not be the faster at another.
+# ratio; the larger on a tie). Natively three: on AMX the bfloat16 way's tiles cost about the same
+# from 8 rows to 32 while the float32 way grows with the rows, and below 8 rows the bfloat16 way
+# is the dot-product kernel, so the faster way at one count need not be the faster at another.
 TIMED_ROWS = {"native": (1, 4, 16), "dense": (2 * FLOAT32_DENSE_ROWS,)}
 _FASTER_WAY: dict[tuple[str, int], str] = {}  # (path, timed rows) -> the faster way there, once timed
 
@@ -135,7 +135,7 @@ def bfloat16_way(path: str, rows: int) -> str:
     which a short GEMM does not win back."""
     if path == "dense" and rows < FLOAT32_DENSE_ROWS:
         return "bfloat16"
-    timed = min(TIMED_ROWS[path], key=lambda t: abs(math.log(max(rows, 1) / t)))
+    timed = min(reversed(TIMED_ROWS[path]), key=lambda t: abs(math.log(max(rows, 1) / t)))
     if (path, timed) not in _FASTER_WAY:
         _FASTER_WAY[path, timed] = time_bfloat16_ways(path, timed)
     return _FASTER_WAY[path, timed]
