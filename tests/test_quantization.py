@@ -191,6 +191,32 @@ def test_a_layer_runs_bfloat16_rows_the_way_timed_faster_here(monkeypatch, way):
     assert sorted(timed) == (dense + native if layer.kernels else dense)
 
 
+@pytest.mark.parametrize("tiles", [0, 8], ids=["no-amx", "amx"])
+def test_bfloat16_rows_past_native_rows_run_natively_only_as_tiles(monkeypatch, tiles):
+    """Up to ``TILE_ROWS`` bfloat16 rows run natively where the native bfloat16 way runs as AMX
+    tiles (set here: the routing is the same on any CPU) and was timed the faster; float32 rows,
+    rows past ``TILE_ROWS``, a CPU without tiles or a timing for float32 go dense."""
+    from mmkv.quantization import linear
+
+    torch.manual_seed(0)
+    layer = QuantizedLinear(quantize(torch.randn(37, 192), Quantization("int4")), None)
+    if layer.kernels is None:
+        pytest.skip("no native library")
+    layer.tiles = tiles
+    ran = []
+    for name in ("native", "dense"):
+        monkeypatch.setattr(layer, name, (lambda run, name: lambda x, way=None: ran.append(name) or run(x, way))(
+            getattr(layer, name), name))
+    for way in linear.BFLOAT16_WAYS:
+        monkeypatch.setattr(linear, "_FASTER_WAY", {("native", 16): way})
+        for rows, dtype in ((linear.TILE_ROWS, torch.bfloat16), (NATIVE_ROWS + 1, torch.bfloat16),
+                            (linear.TILE_ROWS, torch.float32), (linear.TILE_ROWS + 1, torch.bfloat16)):
+            ran.clear()
+            layer(torch.randn(rows, 192).to(dtype))
+            native = tiles and way == "bfloat16" and dtype == torch.bfloat16 and rows <= linear.TILE_ROWS
+            assert ran == ["native" if native else "dense"], (way, rows, dtype)
+
+
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")],
                          ids=["avx2", "plain-c"])
 def test_kernels_built_for_cpus_without_avx512_compute_the_same(tmp_path, monkeypatch, flags):

@@ -79,7 +79,7 @@ SYMBOLS = ("mmkv_paged_decode", "mmkv_rms_norm", "mmkv_rope_write", "mmkv_top_to
            "mmkv_int8_dequantize", "mmkv_int4_dequantize", "mmkv_int8_dequantize_bf16",
            "mmkv_int4_dequantize_bf16", "mmkv_int8_group_linear", "mmkv_int8_group_linear_bf16",
            "mmkv_int8_group_dequantize",
-           "mmkv_int8_group_dequantize_bf16")
+           "mmkv_int8_group_dequantize_bf16", "mmkv_amx_rows")
 
 log = logging.getLogger(__name__)
 

@@ -702,6 +702,9 @@ static int int8_group_linear_amx(const uint16_t *x, int64_t rows, int64_t in, co
     return 0;
 }
 
+/* The fewest rows the bfloat16 kernels run as tiles here, or 0 where they never do. */
+int mmkv_amx_rows(void) { return amx_usable() ? AMX_MIN_ROWS : 0; }
+
 /* int4: a channel's 64 inputs share one table of both 32-input halves' sixteen weights (as the
  * dot-product kernel's); each byte's two nibbles become the indices of its two inputs, in input
  * order ((b | b << 12) per 32-bit lane puts the high nibble in the odd word), bit 4 picking the
@@ -732,6 +735,10 @@ static int int4_linear_amx(const uint16_t *x, int64_t rows, int64_t in, const ui
     free(xb);
     return 0;
 }
+#endif
+
+#if !defined(MMKV_AMX)
+int mmkv_amx_rows(void) { return 0; }
 #endif
 
 int mmkv_int8_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,

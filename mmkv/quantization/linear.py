@@ -3,9 +3,10 @@
 
 Two ways to run one, chosen per call by the number of rows:
 
-- **native** (CPU, up to ``NATIVE_ROWS`` rows): ``mmkv/native/quantized_linear.c`` reads the
-  int8 or int4 codes and decodes them in registers, every weight byte read once per call. A
-  decode step is bound by the bytes it reads, so this is where quantized weights pay.
+- **native** (CPU, up to ``NATIVE_ROWS`` rows, or ``TILE_ROWS`` bfloat16 rows where they run as
+  AMX tiles): ``mmkv/native/quantized_linear.c`` reads the int8 or int4 codes and decodes them in
+  registers, every weight byte read once per call (per 32 rows on tiles). A decode step is bound
+  by the bytes it reads, so this is where quantized weights pay.
 - **dense** (more rows, other devices, or no native library): the weight is dequantized into the
   rows' dtype for this call alone and multiplied by ``F.linear`` (on the CPU, oneDNN or MKL), so a
   prefill of many rows runs at the full-precision GEMM's speed plus one decode of the weight. On
@@ -47,6 +48,7 @@ from mmkv.quantization.formats import (Int4Weight, Int8GroupWeight, Int8Weight, 
                                        QuantizedWeight, quantize, select_rows)
 
 NATIVE_ROWS = 32  # row counts up to this run natively on the CPU; more run dense
+TILE_ROWS = 64  # ... but bfloat16 rows up to this, where the native bfloat16 way runs as AMX tiles
 FLOAT32_DENSE_ROWS = 128  # from this many rows the dense way may run float32 (bfloat16_way)
 
 _P = ctypes.c_void_p
@@ -118,6 +120,13 @@ def native_kernels(weight: QuantizedWeight) -> tuple | None:
     return None if kernels[0] is None else kernels
 
 
+def amx_rows() -> int:
+    """The fewest rows the native bfloat16 kernels run as AMX tiles on this CPU (0: never; no
+    AMX, the kernel refused the tile state, or no native library)."""
+    count = native.function("mmkv_amx_rows", [])
+    return 0 if count is None else count()
+
+
 BFLOAT16_WAYS = ("bfloat16", "float32")  # how bfloat16 rows can run (the module docstring)
 # the row counts each path's ways are timed at: a call follows the timing nearest its rows (by
 # ratio; the larger on a tie). Natively three: on AMX the bfloat16 way's tiles cost about the same
@@ -171,6 +180,7 @@ class QuantizedLinear:
         self.bias32 = None if bias is None else bias.detach().float().contiguous()
         self.kernels = native_kernels(weight)
         self.bfloat16_kernel = self.kernels is not None  # until the kernel says it cannot
+        self.tiles = amx_rows() if self.kernels is not None else 0  # bfloat16 rows from this run as tiles
         self.out_features, self.in_features = weight.shape
         if isinstance(weight, Int8Weight):
             self.layout = (weight.scale.data_ptr(),)
@@ -184,9 +194,18 @@ class QuantizedLinear:
         return self.weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.shape[0] <= NATIVE_ROWS:
+        if self.kernels is not None and (x.shape[0] <= NATIVE_ROWS or self.runs_as_tiles(x)):
             return self.native(x)
         return self.dense(x)
+
+    def runs_as_tiles(self, x: torch.Tensor) -> bool:
+        """Whether rows past ``NATIVE_ROWS`` run natively: bfloat16 rows, up to ``TILE_ROWS``,
+        where the native bfloat16 way runs as AMX tiles here and is the faster way. The tiles
+        decode the weight once per 32 rows, which beats dequantizing it for the GEMM up to about
+        64 rows (docs/quantization.md); the float32 kernels do not."""
+        return (NATIVE_ROWS < x.shape[0] <= TILE_ROWS and x.dtype == torch.bfloat16
+                and self.tiles > 0 and self.bfloat16_kernel
+                and bfloat16_way("native", x.shape[0]) == "bfloat16")
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in ``dtype``: natively into this thread's buffer where the kernels are
@@ -346,4 +365,4 @@ class QuantizedEmbedding(torch.nn.Module):
 
 __all__ = ["BFLOAT16_WAYS", "FLOAT32_DENSE_ROWS", "Int4Weight", "Int8GroupWeight", "Int8Weight",
            "NATIVE_ROWS", "QuantizedEmbedding", "QuantizedLinear", "QuantizedLinearModule",
-           "bfloat16_way", "native_kernels"]
+           "TILE_ROWS", "amx_rows", "bfloat16_way", "native_kernels"]
