@@ -438,6 +438,31 @@ int mmkv_int8_group_linear(const float *x, int64_t rows, int64_t in, const int8_
  * and the caller runs the float32 kernels. */
 
 #if defined(__AVX512BF16__)
+/* The decoded bfloat16 weights both ways of running bfloat16 rows (dot products, AMX tiles) use. */
+
+/* 32 int8 codes at p, exact in bfloat16. */
+static inline __attribute__((always_inline)) __m512bh int8_bf16(const int8_t *p) {
+    return _mm512_cvtne2ps_pbh(vint8(p + 16), vint8(p));
+}
+
+/* 32 int8 codes at p in groups: q * s[g] + m[g] in float32, g = first for the first 16 codes and
+ * second for the rest, rounded to bfloat16. */
+static inline __attribute__((always_inline)) __m512bh int8_group_bf16(
+    const int8_t *p, const float *s, const float *m, int64_t first, int64_t second) {
+    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(vint8(p + 16), _mm512_set1_ps(s[second]), _mm512_set1_ps(m[second])),
+                               _mm512_fmadd_ps(vint8(p), _mm512_set1_ps(s[first]), _mm512_set1_ps(m[first])));
+}
+
+/* An int4 64-input step's table: words 0-15 the sixteen weights q * s[first] + m[first]
+ * (q = 0..15) of its first 32 inputs' group, words 16-31 those of its second 32's (group second),
+ * rounded to bfloat16; an index's bit 4 picks the half (vpermw reads five bits). */
+static inline __attribute__((always_inline)) __m512i int4_step_table(
+    const float *s, const float *m, int64_t first, int64_t second) {
+    const __m512 codes16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(codes16, _mm512_set1_ps(s[second]), _mm512_set1_ps(m[second])),
+                                        _mm512_fmadd_ps(codes16, _mm512_set1_ps(s[first]), _mm512_set1_ps(m[first])));
+}
+
 static inline __attribute__((always_inline)) void int8_tile_bf16(
     const uint16_t *restrict x, int64_t in, const int8_t *restrict codes, const float *restrict scale,
     const float *restrict bias, float *restrict y, int64_t out, int64_t o, int64_t r, const int C,
@@ -450,7 +475,7 @@ static inline __attribute__((always_inline)) void int8_tile_bf16(
         for (int c = 0; c < C; c++) {
             const int8_t *p = codes + (o + c) * in + i;
             PREFETCH_NEXT_BLOCK(p, C * in);
-            w[c] = _mm512_cvtne2ps_pbh(vint8(p + 16), vint8(p));
+            w[c] = int8_bf16(p);
         }
         for (int k = 0; k < R; k++) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r + k) * in + i);
@@ -473,7 +498,6 @@ static inline __attribute__((always_inline)) void int4_tile_bf16(
     const float *restrict mn, int64_t group, const float *restrict bias, float *restrict y,
     int64_t out, int64_t o, int64_t r, const int C, const int R) {
     const int64_t half = in / 2, groups = in / group;
-    const __m512 codes16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i nibble = _mm512_set1_epi16(15);
     const __m512i upper = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
     __m512 acc[CHANNEL_BLOCK][ROW_TILE];
@@ -485,11 +509,7 @@ static inline __attribute__((always_inline)) void int4_tile_bf16(
         for (int c = 0; c < C; c++) {
             const uint8_t *p = codes + (o + c) * half + j;
             PREFETCH_NEXT_BLOCK(p, C * half);
-            const __m512 a = _mm512_fmadd_ps(codes16, _mm512_set1_ps(sc[c * groups + first]),
-                                             _mm512_set1_ps(mn[c * groups + first]));
-            const __m512 b = _mm512_fmadd_ps(codes16, _mm512_set1_ps(sc[c * groups + second]),
-                                             _mm512_set1_ps(mn[c * groups + second]));
-            const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+            const __m512i table = int4_step_table(sc + c * groups, mn + c * groups, first, second);
             const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
             lo[c] = (__m512bh)_mm512_permutexvar_epi16(
                 _mm512_or_si512(_mm512_and_si512(words, nibble), upper), table);
@@ -524,10 +544,7 @@ static inline __attribute__((always_inline)) void int8_group_tile_bf16(
         for (int c = 0; c < C; c++) {
             const int8_t *p = codes + (o + c) * in + i;
             PREFETCH_NEXT_BLOCK(p, C * in);
-            const float *s = sc + c * groups, *m = mn + c * groups;
-            const __m512 lo = _mm512_fmadd_ps(vint8(p), _mm512_set1_ps(s[first]), _mm512_set1_ps(m[first]));
-            const __m512 hi = _mm512_fmadd_ps(vint8(p + 16), _mm512_set1_ps(s[second]), _mm512_set1_ps(m[second]));
-            w[c] = _mm512_cvtne2ps_pbh(hi, lo);
+            w[c] = int8_group_bf16(p, sc + c * groups, mn + c * groups, first, second);
         }
         for (int k = 0; k < R; k++) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r + k) * in + i);
@@ -590,6 +607,11 @@ static int amx_usable(void) {
     return s > 0;
 }
 
+/* Whether a call of rows rows (and in inputs: the tiles take 64 a step) runs as tiles. */
+static int runs_as_tiles(int64_t rows, int64_t in) {
+    return rows >= AMX_MIN_ROWS && in % 64 == 0 && amx_usable();
+}
+
 /* The rows' inputs as B tiles: tile (k, c) holds rows [16k, 16k + 16) and inputs
  * [32c, 32c + 32), its line t the input pair (32c + 2t, 32c + 2t + 1) of each row (zero past the
  * last row); a tile is 16 lines of 64 bytes. NULL when out of memory. */
@@ -643,11 +665,11 @@ static uint32_t *amx_row_tiles(const uint16_t *x, int64_t rows, int64_t in) {
                     const int pair = row_tiles - k >= 2;                                         \
                     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);                  \
                     for (int64_t step = 0; step < steps; step += 2) {                            \
-                        for (int n = 0; n < C; n++) { __VA_ARGS__; }                                       \
+                        for (int n = 0; n < C; n++) { __VA_ARGS__; }                             \
                         _tile_loadd(4, a[0], 64);                                                \
                         _tile_loadd(5, a[1], 64);                                                \
-                        AMX_ROW_TILE(0, 1, (xb) + (k * steps + step) * 256);                        \
-                        if (pair) AMX_ROW_TILE(2, 3, (xb) + ((k + 1) * steps + step) * 256);        \
+                        AMX_ROW_TILE(0, 1, (xb) + (k * steps + step) * 256);                     \
+                        if (pair) AMX_ROW_TILE(2, 3, (xb) + ((k + 1) * steps + step) * 256);     \
                     }                                                                            \
                     _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64);                  \
                     _tile_stored(2, sums[2], 64); _tile_stored(3, sums[3], 64);                  \
@@ -671,8 +693,8 @@ static int int8_linear_amx(const uint16_t *x, int64_t rows, int64_t in, const in
         const int8_t *p = codes + (o + n) * in + step * 32;
         PREFETCH_NEXT_BLOCK(p, AMX_CHANNELS * in);
         PREFETCH_NEXT_BLOCK(p + 63, AMX_CHANNELS * in);
-        _mm512_store_si512(a[0] + 32 * n, (__m512i)_mm512_cvtne2ps_pbh(vint8(p + 16), vint8(p)));
-        _mm512_store_si512(a[1] + 32 * n, (__m512i)_mm512_cvtne2ps_pbh(vint8(p + 48), vint8(p + 32))));
+        _mm512_store_si512(a[0] + 32 * n, (__m512i)int8_bf16(p));
+        _mm512_store_si512(a[1] + 32 * n, (__m512i)int8_bf16(p + 32)));
     free(xb);
     return 0;
 }
@@ -691,13 +713,9 @@ static int int8_group_linear_amx(const uint16_t *x, int64_t rows, int64_t in, co
         PREFETCH_NEXT_BLOCK(p, AMX_CHANNELS * in);
         PREFETCH_NEXT_BLOCK(p + 63, AMX_CHANNELS * in);
         const float *s = sc + n * groups, *m = mn + n * groups;
-        __m512 part[4];
-        for (int h = 0; h < 4; h++) {
-            const int64_t g = (step * 32 + 16 * h) / group;
-            part[h] = _mm512_fmadd_ps(vint8(p + 16 * h), _mm512_set1_ps(s[g]), _mm512_set1_ps(m[g]));
-        }
-        _mm512_store_si512(a[0] + 32 * n, (__m512i)_mm512_cvtne2ps_pbh(part[1], part[0]));
-        _mm512_store_si512(a[1] + 32 * n, (__m512i)_mm512_cvtne2ps_pbh(part[3], part[2])));
+        const int64_t i = step * 32;
+        _mm512_store_si512(a[0] + 32 * n, (__m512i)int8_group_bf16(p, s, m, i / group, (i + 16) / group));
+        _mm512_store_si512(a[1] + 32 * n, (__m512i)int8_group_bf16(p + 32, s, m, (i + 32) / group, (i + 48) / group)));
     free(xb);
     return 0;
 }
@@ -715,18 +733,14 @@ static int int4_linear_amx(const uint16_t *x, int64_t rows, int64_t in, const ui
     uint32_t *xb = amx_row_tiles(x, rows, in);
     if (!xb) return -1;
     const int64_t groups = in / group, half = in / 2;
-    const __m512 codes16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i nibbles = _mm512_set1_epi32(0x000F000F), second = _mm512_set1_epi32(0x00100010);
     AMX_BLOCKS(xb, rows, in, out, bias, y, 1.0f,
                float sc[AMX_CHANNELS * groups]; float mn[AMX_CHANNELS * groups];
                expand_groups(scale, o, C, groups, sc); expand_groups(offset, o, C, groups, mn),
         const uint8_t *p = codes + (o + n) * half + step * 16;
         PREFETCH_NEXT_BLOCK(p, AMX_CHANNELS * half);
-        const float *s = sc + n * groups, *m = mn + n * groups;
-        const int64_t first = step * 32 / group, next = (step * 32 + 32) / group;
-        const __m512 low = _mm512_fmadd_ps(codes16, _mm512_set1_ps(s[first]), _mm512_set1_ps(m[first]));
-        const __m512 high = _mm512_fmadd_ps(codes16, _mm512_set1_ps(s[next]), _mm512_set1_ps(m[next]));
-        const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(high, low);
+        const __m512i table = int4_step_table(sc + n * groups, mn + n * groups, step * 32 / group,
+                                              (step * 32 + 32) / group);
         const __m512i b0 = vbytes(p), b1 = vbytes(p + 16);
         const __m512i i0 = _mm512_ternarylogic_epi32(b0, _mm512_slli_epi32(b0, 12), nibbles, 0xA8);
         const __m512i i1 = _mm512_ternarylogic_epi32(b1, _mm512_slli_epi32(b1, 12), second, 0xFE);
@@ -746,7 +760,7 @@ int mmkv_int8_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const int
 #if defined(__AVX512BF16__)
     if (in % 32) return -1;
 #if defined(MMKV_AMX)
-    if (rows >= AMX_MIN_ROWS && in % 64 == 0 && amx_usable()) return int8_linear_amx(x, rows, in, codes, scale, bias, y, out);
+    if (runs_as_tiles(rows, in)) return int8_linear_amx(x, rows, in, codes, scale, bias, y, out);
 #endif
     OVER_CHANNEL_BLOCKS(out, int8_channels_bf16(x, rows, in, codes, scale, bias, y, out, o, C));
     return 0;
@@ -762,7 +776,7 @@ int mmkv_int8_group_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, con
 #if defined(__AVX512BF16__)
     if (group % 16 || in % group || in % 32) return -1;
 #if defined(MMKV_AMX)
-    if (rows >= AMX_MIN_ROWS && in % 64 == 0 && amx_usable())
+    if (runs_as_tiles(rows, in))
         return int8_group_linear_amx(x, rows, in, codes, scale, offset, group, bias, y, out);
 #endif
     OVER_CHANNEL_BLOCKS(out, int8_group_channels_bf16(x, rows, in, codes, scale, offset, group, bias, y, out, o, C));
@@ -780,7 +794,7 @@ int mmkv_int4_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const uin
 #if defined(__AVX512BF16__)
     if (group % 32 || in % group || in % 64) return -1;
 #if defined(MMKV_AMX)
-    if (rows >= AMX_MIN_ROWS && amx_usable()) return int4_linear_amx(x, rows, in, codes, scale, offset, group, bias, y, out);
+    if (runs_as_tiles(rows, in)) return int4_linear_amx(x, rows, in, codes, scale, offset, group, bias, y, out);
 #endif
     uint16_t *xs = split_bfloat16(x, rows, in);
     if (!xs) return -1;
