@@ -74,7 +74,9 @@ class ModelRunner:
     speculates). On the CPU a step that only decodes, plainly or in a speculative round, runs on
     the intra-op thread count ``decode_threads`` measures fastest (every core otherwise, and again
     once the engine is idle): a round's passes (one row a sequence while drafting, a few in
-    verification) are as small as a decoding step's."""
+    verification) are as small as a decoding step's. A round whose draft model first catches up
+    prompt tokens does a prompt's work (``Speculator.catches_up_prompts``): every core, and no
+    sample of the thread counts, which would set it beside rounds that only decode."""
 
     def __init__(self, model: ModelAdapter, kv: KVCache, attention: AttentionBackend,
                  image_kv: CrossAttentionKV | None, planning: AttentionPlanning,
@@ -112,7 +114,9 @@ class ModelRunner:
         """Compute the batch: its plain pass, then its speculative round."""
         result = StepResult()
         threads = self.decode_threads
-        decoding = bool(batch.seqs or batch.drafting) and all(q == 1 for q in batch.q_lens)
+        decoding = (bool(batch.seqs or batch.drafting) and all(q == 1 for q in batch.q_lens)
+                    and not (batch.drafting and self.speculator.catches_up_prompts(batch.drafting,
+                                                                                   batch.draft_lengths)))
         if threads is not None:
             shape = (bool(batch.drafting), len(batch.seqs) + len(batch.drafting))  # steps compared alike
             count = threads.use(decoding, shape)

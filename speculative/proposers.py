@@ -131,6 +131,11 @@ class Speculator(ABC):
                q_lens: list[int]) -> None:
         """Called after every plain target pass on the same tokens (draft stores stay in step)."""
 
+    def catches_up_prompts(self, seqs: list[Sequence], gammas: list[int]) -> bool:
+        """Whether a round with draft lengths ``gammas`` runs the draft over prompt tokens it
+        has not computed (a prompt's work, not a decoding step's)."""
+        return False
+
     @abstractmethod
     def _draft_pass(self, seqs: list[Sequence], tokens: list[int], kv_lens: list[int],
                     drafting: list[int], live: list[int]) -> torch.Tensor | None:
@@ -406,6 +411,9 @@ class DraftModelSpeculator(Speculator):
 
     def _behind(self, seqs: list[Sequence]) -> list[int]:
         return [len(s.token_ids) - 1 - self._watermark(s) for s in seqs]
+
+    def catches_up_prompts(self, seqs, gammas):
+        return any(g and self._watermark(s) < s.prompt_len for s, g in zip(seqs, gammas))
 
     def _watermark(self, seq: Sequence) -> int:
         """Positions below which the draft's K/V of ``seq`` is current; for a sequence with a new

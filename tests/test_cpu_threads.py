@@ -11,6 +11,7 @@ from mmkv.runner import ModelRunner
 from speculative import SpeculativeConfig
 from conftest import CORES
 from test_engine_oracle import BLOCK_BYTES, prompts
+from test_speculative_engine import draft_engine
 
 
 def drive(chooser: DecodeThreads, seconds_on: dict[int, float], steps: int, batch: int = 8) -> list[int]:
@@ -134,3 +135,36 @@ def test_speculative_rounds_move_to_the_faster_count_and_the_pass_costs_are_lear
     assert stats["decode_threads"] == cores - 1
     assert threads_in_rounds[0] == cores and threads_in_rounds[-1] == cores - 1
     assert eng.speculator.controller.costs.counts["verify"] < threads_in_rounds.count(cores - 1)
+
+
+@pytest.mark.skipif(CORES < 2, reason="one core: nothing to choose")
+def test_a_round_that_catches_up_prompts_runs_on_every_core(model_dirs, hf_oracle, every_core):
+    """A draft model that skipped the prompts at prefill catches them up in its first round: a
+    prompt's work, so that round runs on every core (and is no sample), though the plain steps
+    before it moved decoding to fewer threads; the rounds after it, which only decode, run there.
+    The target is its own draft, so every draft is accepted and the output is transformers'."""
+    cores = every_core
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0 if torch.get_num_threads() == cores else 0.5
+        return now[0]
+
+    eng = draft_engine(model_dirs["llama"], model_dirs["llama"], gamma=2)
+    eng.runner.decode_threads.clock = clock
+    eng.runner.decode_threads.explore_every = 2
+    eng.speculator.controller.follow_script([0] * 8 + [2] * 8)  # plain steps, then rounds
+    rounds = []  # (whether the round catches up a prompt, torch's thread count while it runs)
+    original = eng.speculator.round
+
+    def round_(seqs, gammas, *rest):
+        rounds.append((eng.speculator.catches_up_prompts(seqs, gammas), torch.get_num_threads()))
+        return original(seqs, gammas, *rest)
+
+    eng.speculator.round = round_
+    batch = prompts(5, [6, 10, 13])
+    for prompt, out in zip(batch, eng.generate(batch, SamplingParams(max_tokens=24, ignore_eos=True))):
+        hf_oracle.check("llama", prompt, out.outputs[0].token_ids)
+    assert rounds[0] == (True, cores)
+    assert rounds[1:] and all(r == (False, cores - 1) for r in rounds[1:])
+    assert eng.stats()["spec_acceptance_rate"] == 1.0
