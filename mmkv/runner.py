@@ -114,9 +114,9 @@ class ModelRunner:
         """Compute the batch: its plain pass, then its speculative round."""
         result = StepResult()
         threads = self.decode_threads
-        decoding = (bool(batch.seqs or batch.drafting) and all(q == 1 for q in batch.q_lens)
-                    and not (batch.drafting and self.speculator.catches_up_prompts(batch.drafting,
-                                                                                   batch.draft_lengths)))
+        decoding = bool(batch.seqs or batch.drafting) and all(q == 1 for q in batch.q_lens)
+        if batch.drafting and self.speculator.catches_up_prompts(batch.drafting, batch.draft_lengths):
+            decoding = False  # the draft's pass over prompt tokens is a prompt's work
         if threads is not None:
             shape = (bool(batch.drafting), len(batch.seqs) + len(batch.drafting))  # steps compared alike
             count = threads.use(decoding, shape)
