@@ -720,9 +720,6 @@ static int int8_group_linear_amx(const uint16_t *x, int64_t rows, int64_t in, co
     return 0;
 }
 
-/* The fewest rows the bfloat16 kernels run as tiles here, or 0 where they never do. */
-int mmkv_amx_rows(void) { return amx_usable() ? AMX_MIN_ROWS : 0; }
-
 /* int4: a channel's 64 inputs share one table of both 32-input halves' sixteen weights (as the
  * dot-product kernel's); each byte's two nibbles become the indices of its two inputs, in input
  * order ((b | b << 12) per 32-bit lane puts the high nibble in the odd word), bit 4 picking the
@@ -751,9 +748,14 @@ static int int4_linear_amx(const uint16_t *x, int64_t rows, int64_t in, const ui
 }
 #endif
 
-#if !defined(MMKV_AMX)
-int mmkv_amx_rows(void) { return 0; }
+/* The fewest rows the bfloat16 kernels run as tiles here, or 0 where they never do. */
+int mmkv_amx_rows(void) {
+#if defined(MMKV_AMX)
+    return amx_usable() ? AMX_MIN_ROWS : 0;
+#else
+    return 0;
 #endif
+}
 
 int mmkv_int8_linear_bf16(const uint16_t *x, int64_t rows, int64_t in, const int8_t *codes,
                           const float *scale, const float *bias, float *y, int64_t out) {
