@@ -77,6 +77,7 @@ class DraftLengthController:
         self._hold: tuple[bool, int, int] | None = None  # a round?, size class, steps left
         self._span: tuple[bool, int] = (False, 0)  # the last priced decision (a round?) and its span
         self._plain_run = 0  # steps since the last round
+        self._held_plain = False  # whether this step keeps a held plain decision (its pass teaches nothing)
 
     def follow_script(self, lengths: Iterable[int]) -> None:
         """Draft ``lengths`` in the next steps, one a step for every sequence (0: a plain step),
@@ -108,12 +109,13 @@ class DraftLengthController:
         """``choose`` with ``limits()`` read for every step but a held plain one and ``state()``
         (``lengths``, ``progress``, ``behind``) only for a step priced or exploring. A step
         ``beside_prompts`` (carrying prompt chunks) is always priced and neither explores nor holds."""
+        held = None if self._script or self.fixed or beside_prompts else self._held(histories)
         if self._script:
             length = self._script.popleft()
             caps = [min(length, limit) for limit in limits()]
         elif self.fixed:
             caps = list(limits())
-        elif not beside_prompts and (held := self._held(histories)) is not None:
+        elif held is not None:
             caps = list(limits()) if held else [0] * len(histories)
         else:
             caps = self._caps(histories, limits(), *state(), beside_prompts)
@@ -122,6 +124,7 @@ class DraftLengthController:
         self.decisions += len(caps)
         self.zero += caps.count(0)
         self.plain_steps += not any(caps)
+        self._held_plain = held is False
         self._plain_run = 0 if any(caps) else self._plain_run + 1
         return caps
 
@@ -169,8 +172,9 @@ class DraftLengthController:
     def observe_pass(self, kind: str, rows: int, context: int, seconds: float,
                      sequences: int | None = None) -> None:
         """A pass of ``kind`` over ``rows`` query tokens of ``sequences`` sequences (default:
-        one row each) attending ``context`` tokens in all took ``seconds``."""
-        self.costs.observe(kind, rows, context, seconds, sequences)
+        one row each) attending ``context`` tokens in all took ``seconds`` (unless a held plain pass)."""
+        if kind != "plain" or not self._held_plain:
+            self.costs.observe(kind, rows, context, seconds, sequences)
 
     def _caps(self, histories: list[DraftHistory], limits: list[int], lengths: list[int],
               progress: list[tuple[int, int]] | None, behind: list[int] | None,

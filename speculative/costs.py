@@ -182,5 +182,4 @@ class PassCosts:
     def fixed(self, kind: str) -> float:
         """The seconds of a pass of this kind that do not grow with its rows, sequences or context
         (the intercept and, for a kind that pays it, the extra fixed cost), at least 0."""
-        theta = self.fit(kind).theta
-        return max(theta[0] + theta[4] * (kind in EXTRA), 0.0)
+        return max((theta := self.fit(kind).theta)[0] + theta[4] * (kind in EXTRA), 0.0)

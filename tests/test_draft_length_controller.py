@@ -379,6 +379,20 @@ def test_plain_decisions_are_held_for_doubling_spans_until_the_batch_changes():
     assert controller.planned == 10
 
 
+def test_a_held_plain_step_leaves_the_cost_fits_alone_and_a_priced_one_teaches_them():
+    """The fits are read only where a decision is priced, so the pass of a step that keeps a held
+    plain decision is not learned from (in a batch the controller decodes plainly, learning every
+    step cost about 1 % of the run); the pass of each step that was priced is."""
+    controller = priced(0.0024)  # plain decoding pays
+    h, taught = controller.history, []
+    for _ in range(8):
+        planned, before = controller.planned, controller.costs.counts["plain"]
+        assert controller.choose([h], [1], [10]) == [0]
+        controller.observe_pass("plain", 1, 10, 0.005)
+        taught.append((controller.planned - planned, controller.costs.counts["plain"] - before))
+    assert taught == [(1, 1), (0, 0), (1, 1), (0, 0), (0, 0), (1, 1), (0, 0), (0, 0)], taught
+
+
 def test_after_hold_max_plain_steps_a_round_probes_acceptance_where_a_sure_draft_would_pay():
     """Plain decoding learns nothing of acceptance: after ``HOLD_MAX`` plain steps one round is
     taken (every sequence at its limit), and the count starts again. Where not even a draft that
