@@ -145,6 +145,32 @@ def test_long_prompt_chunk_after_cached_tokens_matches_dense(query_chunk, monkey
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kept", [torch_backend.KEPT_MASK_ELEMENTS, 0])
+def test_a_prompt_chunks_mask_is_built_once_a_step_for_every_layer(kept, monkeypatch):
+    """Two prompt chunks after cached tokens (fewer than ``SPLIT_QUERIES`` new ones each) are
+    attended with causal masks that are the same in every layer: each is built at the step's
+    first layer and kept for the others, unless it is larger than ``KEPT_MASK_ELEMENTS``. Every
+    layer matches dense attention either way."""
+    monkeypatch.setattr(torch_backend, "KEPT_MASK_ELEMENTS", kept)
+    built, causal = [], torch_backend._causal_mask
+    monkeypatch.setattr(torch_backend, "_causal_mask", lambda *args: built.append(args[1]) or causal(*args))
+    seqs, layers = [(120, 100, None, 0), (100, 80, None, 0)], 3
+    batch = None
+    for seed in range(layers):  # each layer its own keys, values and queries; one plan
+        layer, tables, kvs, g = build(seqs, seed=seed)
+        batch = batch or plan_batch(tables, [100, 80], [120, 100], BS, torch.device("cpu"))
+        assert batch.prefill == [0, 1]
+        for table, (n, _, _, _), (k, v) in zip(tables, seqs, kvs):
+            for pos in range(n):
+                layer[table[pos // BS], 0, pos % BS], layer[table[pos // BS], 1, pos % BS] = k[pos], v[pos]
+        query = torch.randn(180, HQ, D, generator=g)
+        out = attention(query, layer, batch, scale=D ** -0.5)
+        for rows, (n, _, _, _), (k, v) in zip((slice(0, 100), slice(100, 180)), seqs, kvs):
+            want = dense_reference(query[rows], k, v, n, D ** -0.5)
+            torch.testing.assert_close(out[rows], want, atol=1e-5, rtol=1e-5)
+    assert built == ([120, 100] if kept else [120, 100] * layers), built
+
+
 @pytest.mark.parametrize("q_len", [1, 5])
 @pytest.mark.parametrize("window", [None, 5])
 def test_one_short_query_sequence_matches_dense(q_len, window):

@@ -132,6 +132,7 @@ class PagedBatch:
     prefill: list[int]  # sequences with more than SHORT_QUERY new tokens, attended one at a time
     prefill_pages: list[torch.Tensor]  # long page ids of each of those (on the device)
     decode: list[DecodePlan]  # the others, attended together per bucket of query lengths
+    masks: dict = field(default_factory=dict)  # prompt chunks' additive causal masks, built once a step
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,7 @@ from mmkv.step_context import AttentionBackend, StepContext
 
 QUERY_CHUNK = 2048
 SPLIT_QUERIES = 256  # from this many queries on, attending past keys and the diagonal apart pays
+KEPT_MASK_ELEMENTS = 1 << 20  # a prompt chunk's mask up to this size is built once a step (4 MiB)
 
 
 def write_kv(layer: torch.Tensor, batch: PagedBatch, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -83,7 +84,8 @@ def attention(query: torch.Tensor, layer: torch.Tensor, batch: PagedBatch, scale
     for i, pages in zip(batch.prefill, batch.prefill_pages):
         k, v = gather_kv(layer, pages, batch.kv_lens[i], dtype)
         start, end = qo[i], qo[i + 1]
-        out[start:end] = _attend_one(q_all[start:end], k, v, batch.kv_lens[i], scale, sliding_window)
+        out[start:end] = _attend_one(q_all[start:end], k, v, batch.kv_lens[i], scale, sliding_window,
+                                     batch.masks)
     for plan in batch.decode:
         out[plan.rows] = _decode(q_all[plan.rows], layer, plan, batch.block_size, scale, sliding_window,
                                  check_bounds)
@@ -98,9 +100,26 @@ def _causal_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.
     return allowed
 
 
+def _chunk_mask(first: int, rows: int, kv_len: int, window: int | None, like: torch.Tensor,
+                masks: dict | None) -> torch.Tensor:
+    """The additive mask (0 / -inf, ``like``'s dtype) of ``rows`` queries from position ``first``
+    over ``kv_len`` keys. It is the same in every layer, so one of at most ``KEPT_MASK_ELEMENTS``
+    is kept in ``masks`` (the step's ``PagedBatch.masks``) for the layers after the first; SDPA
+    given a boolean mask would also turn it into this one at every call."""
+    key = (first, rows, kv_len, window, like.dtype)
+    if masks is not None and key in masks:
+        return masks[key]
+    allowed = _causal_mask(torch.arange(first, first + rows, device=like.device), kv_len, window)
+    mask = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(~allowed, float("-inf"))
+    if masks is not None and rows * kv_len <= KEPT_MASK_ELEMENTS:
+        masks[key] = mask
+    return mask
+
+
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, scale: float,
-                window: int | None) -> torch.Tensor:
-    """One sequence's ``n`` queries (its last ``n`` positions) over its ``kv_len`` keys."""
+                window: int | None, masks: dict | None = None) -> torch.Tensor:
+    """One sequence's ``n`` queries (its last ``n`` positions) over its ``kv_len`` keys;
+    ``masks``: the step's kept chunk masks (``_chunk_mask``)."""
     n = q.shape[0]
     kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, H, L, D]
     if window is None and (n == 1 or n == kv_len) and n <= QUERY_CHUNK:  # no mask, or SDPA's causal one
@@ -112,8 +131,7 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, 
     out = torch.empty_like(q)
     for s in range(0, n, QUERY_CHUNK):
         e = min(s + QUERY_CHUNK, n)
-        q_pos = torch.arange(kv_len - n + s, kv_len - n + e, device=q.device)
-        mask = _causal_mask(q_pos, kv_len, window)
+        mask = _chunk_mask(kv_len - n + s, e - s, kv_len, window, q, masks)
         o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], kt, vt, attn_mask=mask,
                                            scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
