@@ -198,7 +198,7 @@ class PackedLinear:
             _BUILT.add((padded, *self.shape))
         if padded == rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        x = F.pad(x, (0, 0, 0, padded - rows))
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])  # F.pad also fills x's rows first
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
 
 
