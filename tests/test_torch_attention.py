@@ -153,7 +153,8 @@ def test_a_prompt_chunks_mask_is_built_once_a_step_for_every_layer(kept, monkeyp
     layer matches dense attention either way."""
     monkeypatch.setattr(torch_backend, "KEPT_MASK_ELEMENTS", kept)
     built, causal = [], torch_backend._causal_mask
-    monkeypatch.setattr(torch_backend, "_causal_mask", lambda *args: built.append(args[1]) or causal(*args))
+    monkeypatch.setattr(torch_backend, "_causal_mask",
+                        lambda *args: built.append(args[1]) or causal(*args))  # records kv_len
     seqs, layers = [(120, 100, None, 0), (100, 80, None, 0)], 3
     batch = None
     for seed in range(layers):  # each layer its own keys, values and queries; one plan

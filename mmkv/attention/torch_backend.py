@@ -110,7 +110,8 @@ def _chunk_mask(first: int, rows: int, kv_len: int, window: int | None, like: to
     if masks is not None and key in masks:
         return masks[key]
     allowed = _causal_mask(torch.arange(first, first + rows, device=like.device), kv_len, window)
-    mask = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(~allowed, float("-inf"))
+    mask = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device)
+    mask.masked_fill_(~allowed, float("-inf"))
     if masks is not None and rows * kv_len <= KEPT_MASK_ELEMENTS:
         masks[key] = mask
     return mask
